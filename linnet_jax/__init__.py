@@ -1,0 +1,8 @@
+"""linnet_jax: a JAX-native modeling framework for Llama-family LLMs."""
+
+__version__ = "0.1.0"
+
+from linnet_jax.load import DEFAULT_MODEL, load
+from linnet_jax.model import Model, logits
+
+__all__ = ["DEFAULT_MODEL", "Model", "__version__", "load", "logits"]

@@ -1,0 +1,77 @@
+"""`Model`: a config, its params and its tokenizer; and `logits`, a full forward with no cache."""
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from linnet_jax.models import Config, Params, forward
+
+if TYPE_CHECKING:
+    from linnet_jax.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """What `load` returns: `.config` (static), `.params` (a pytree of arrays), `.tokenizer` (or None)."""
+
+    config: Config
+    params: Params
+    tokenizer: "Tokenizer | None" = None
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"Model({c.architecture}, layers={c.num_layers}, heads={c.num_heads}/{c.num_kv_heads} kv, "
+            f"hidden={c.hidden_size}, vocab={c.vocab_size}, params={_human(c.num_params())}, dtype={c.dtype})"
+        )
+
+
+def _human(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _full_forward(params: Params, config: Config, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+    return forward(params, config, tokens, positions)[0]
+
+
+def as_token_batch(token_ids, vocab_size: int, name: str = "token_ids") -> np.ndarray:
+    """token_ids ([T] or [B, T] ints, list or array) as an int32 [B, T] array, checked against the vocabulary."""
+    ids = np.asarray(token_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.shape[1] == 0 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        raise ValueError(f"{name} must be a non-empty [T] or [B, T] array of ints, got shape {ids.shape} dtype {ids.dtype}")
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"{name} holds id {int(bad[0])} outside the vocabulary [0, {vocab_size})")
+    return ids.astype(np.int32)
+
+
+def positions_from_mask(attention_mask: np.ndarray) -> np.ndarray:
+    """Positions counting only the real tokens of each row; -1 at padding. [B, T] → [B, T]."""
+    mask = attention_mask.astype(bool)
+    return np.where(mask, np.cumsum(mask, axis=1) - 1, -1).astype(np.int32)
+
+
+def logits(model: Model, token_ids, attention_mask=None) -> jax.Array:
+    """Float32 logits [B, T, vocab] of a full forward (no cache).
+
+    token_ids: ints, [T] (batch 1) or [B, T]. attention_mask: same shape, 1 for real tokens and
+    0 for padding (left or right). Padding is never attended to, and positions count real
+    tokens only, so a padded row's logits equal the unpadded row's at its real tokens.
+    """
+    ids = as_token_batch(token_ids, model.config.vocab_size)
+    mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask)
+    if mask.ndim == 1:
+        mask = mask[None]
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask has shape {mask.shape}, expected the shape of token_ids {ids.shape}")
+    return _full_forward(model.params, model.config, jnp.asarray(ids), jnp.asarray(positions_from_mask(mask)))

@@ -1,0 +1,113 @@
+"""Shared fixtures: random-weight tiny transformers models saved as HF directories, SmolLM2, and a
+parity report printed at the end of the run."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(2)
+
+PARITY: dict[str, float] = {}
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            max_position_embeddings=4096, initializer_range=0.1)
+
+# name -> (transformers config class, fields beyond TINY)
+TINY_CONFIGS = {
+    "llama_mha": (transformers.LlamaConfig, dict(num_key_value_heads=4)),
+    "llama_gqa_llama3": (transformers.LlamaConfig, dict(
+        num_key_value_heads=2, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=256))),
+    "llama_linear_untied": (transformers.LlamaConfig, dict(
+        num_key_value_heads=2, tie_word_embeddings=False, rope_scaling=dict(rope_type="linear", factor=4.0))),
+    "llama_attention_bias": (transformers.LlamaConfig, dict(num_key_value_heads=1, attention_bias=True)),
+    "mistral_sliding": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=16)),
+    "qwen2_bias_tied": (transformers.Qwen2Config, dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3_qk_norm": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=32)),
+}
+
+
+def record_parity(case: str, diff: float) -> None:
+    PARITY[case] = max(diff, PARITY.get(case, 0.0))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if PARITY:
+        terminalreporter.section("max |logit difference| against transformers eager float32")
+        for case, diff in sorted(PARITY.items()):
+            terminalreporter.write_line(f"{case:60s} {diff:.3e}")
+
+
+def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Norm weights around 1 and non-zero biases, so that a dropped norm or bias shows in the logits."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.2 * torch.randn(param.shape, generator=generator))
+            elif name.endswith("bias"):
+                param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def build_tiny(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+    config_class, fields = TINY_CONFIGS[name]
+    config = config_class(**TINY | fields)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    return randomize(model, seed).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """name -> (transformers model, directory it was saved to). Built once per name per session."""
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            model = build_tiny(name)
+            directory = tmp_path_factory.mktemp(name)
+            model.save_pretrained(directory)
+            built[name] = (model, directory)
+        return built[name]
+
+    return get
+
+
+def reference_logits(model: torch.nn.Module, ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
+    with torch.no_grad():
+        mask = None if attention_mask is None else torch.tensor(attention_mask)
+        return model(torch.tensor(ids), attention_mask=mask).logits.float().numpy()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    from linnet_jax.load import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf):
+    import linnet_jax
+
+    return linnet_jax.load(smollm2_gguf, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_gguf):
+    """transformers' own GGUF loader on the same file: the reference, float32 eager."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference_tokenizer(smollm2_gguf):
+    return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)

@@ -1,0 +1,107 @@
+"""Parity of the model with transformers eager float32, and of cached decode with one full forward."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TINY_CONFIGS, record_parity, reference_logits
+
+import linnet_jax
+from linnet_jax.models import forward, init_cache
+
+TINY_BOUND = 1e-4
+CACHE_BOUND_TINY = 1e-5
+
+
+def random_ids(vocab: int, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, shape)
+
+
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_tiny_parity(name, tiny_dir):
+    reference, directory = tiny_dir(name)
+    model = linnet_jax.load(directory, progress=False)
+    # Long enough to pass the sliding window (16) and, for llama3 scaling, the 256-token original context.
+    length = 1100 if name == "llama_gqa_llama3" else 64
+    ids = random_ids(model.config.vocab_size, (2, length))
+    expected = reference_logits(reference, ids)
+    got = np.asarray(linnet_jax.logits(model, ids))
+    assert got.shape == expected.shape and got.dtype == np.float32
+    assert np.abs(expected).std() > 0.3, "logits too flat for a meaningful comparison"
+    diff = float(np.abs(got - expected).max())
+    record_parity(f"tiny {name}, {length} tokens", diff)
+    assert diff < TINY_BOUND
+
+
+def test_llama3_scaling_is_exercised_past_1024(tiny_dir):
+    """Positions past 1024 must differ from an unscaled model: the scaling is not a no-op."""
+    _, directory = tiny_dir("llama_gqa_llama3")
+    model = linnet_jax.load(directory, progress=False)
+    import dataclasses
+
+    from linnet_jax.ops import RopeScaling
+
+    plain = dataclasses.replace(model, config=dataclasses.replace(model.config, rope_scaling=RopeScaling()))
+    ids = random_ids(model.config.vocab_size, (1, 1100))
+    scaled, unscaled = np.asarray(linnet_jax.logits(model, ids)), np.asarray(linnet_jax.logits(plain, ids))
+    assert np.abs(scaled[:, 1024:] - unscaled[:, 1024:]).max() > 1e-2
+
+
+def test_padding_left_and_right(tiny_dir):
+    """A padded row's logits equal the unpadded row's at its real tokens; right padding matches transformers."""
+    reference, directory = tiny_dir("llama_gqa_llama3")
+    model = linnet_jax.load(directory, progress=False)
+    ids = random_ids(model.config.vocab_size, (1, 24))
+    alone = np.asarray(linnet_jax.logits(model, ids))[0]
+    pad = np.zeros((1, 8), ids.dtype)
+    left = np.concatenate([pad, ids], 1), np.concatenate([np.zeros((1, 8)), np.ones((1, 24))], 1)
+    right = np.concatenate([ids, pad], 1), np.concatenate([np.ones((1, 24)), np.zeros((1, 8))], 1)
+    got = np.asarray(linnet_jax.logits(model, np.concatenate([left[0], right[0]]), np.concatenate([left[1], right[1]])))
+    assert np.abs(got[0, 8:] - alone).max() < 1e-5
+    assert np.abs(got[1, :24] - alone).max() < 1e-5
+    expected = reference_logits(reference, right[0], right[1].astype(np.int64))
+    assert np.abs(got[1, :24] - expected[0, :24]).max() < TINY_BOUND
+
+
+def cached_logits(model, ids: np.ndarray, prefill: int, max_len: int) -> np.ndarray:
+    """Prefill `prefill` tokens, then decode the rest one token at a time through the cache."""
+    import jax
+
+    step = jax.jit(forward, static_argnums=1)
+    batch, length = ids.shape
+    positions = np.broadcast_to(np.arange(length), ids.shape)
+    cache = init_cache(model.config, batch, max_len)
+    out, cache = step(model.params, model.config, jnp.asarray(ids[:, :prefill]), positions[:, :prefill], cache)
+    outs = [np.asarray(out)]
+    for t in range(prefill, length):
+        out, cache = step(model.params, model.config, jnp.asarray(ids[:, t : t + 1]), positions[:, t : t + 1], cache)
+        outs.append(np.asarray(out))
+    assert int(cache.lengths[0]) == length
+    return np.concatenate(outs, axis=1)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3", "mistral_sliding", "qwen2_bias_tied", "qwen3_qk_norm"])
+def test_cached_decode_equals_full_forward(name, tiny_dir):
+    _, directory = tiny_dir(name)
+    model = linnet_jax.load(directory, progress=False)
+    ids = random_ids(model.config.vocab_size, (2, 40), seed=1)
+    full = np.asarray(linnet_jax.logits(model, ids))
+    diff = float(np.abs(cached_logits(model, ids, prefill=24, max_len=64) - full).max())
+    record_parity(f"tiny {name}: prefill 24 + 16 decode steps vs full forward", diff)
+    assert diff < CACHE_BOUND_TINY
+
+
+def test_smollm2_parity(smollm2, smollm2_reference):
+    ids = random_ids(smollm2.config.vocab_size, (1, 300), seed=2)
+    expected = reference_logits(smollm2_reference, ids)
+    got = np.asarray(linnet_jax.logits(smollm2, ids))
+    diff = float(np.abs(got - expected).max())
+    record_parity("SmolLM2-135M-Instruct (GGUF Q4_1 dequantized), 300 tokens", diff)
+    assert diff < 1e-3
+
+
+def test_smollm2_cached_decode(smollm2):
+    ids = random_ids(smollm2.config.vocab_size, (1, 272), seed=3)
+    full = np.asarray(linnet_jax.logits(smollm2, ids))
+    diff = float(np.abs(cached_logits(smollm2, ids, prefill=256, max_len=288) - full).max())
+    record_parity("SmolLM2: prefill 256 + 16 decode steps vs full forward", diff)
+    assert diff < 1e-4
