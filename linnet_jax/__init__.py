@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 from linnet_jax.load import DEFAULT_MODEL, load
+from linnet_jax.generate import Generation, generate
 from linnet_jax.model import Model, logits
 
-__all__ = ["DEFAULT_MODEL", "Model", "__version__", "load", "logits"]
+__all__ = ["DEFAULT_MODEL", "Generation", "Model", "__version__", "generate", "load", "logits"]

@@ -43,10 +43,9 @@ class KVCache:
 def init_cache(config: Config, batch: int, max_len: int, dtype=None) -> KVCache:
     """An empty cache of max_len slots per row, in the params dtype unless told otherwise."""
     shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
-    zeros = jnp.zeros(shape, dtype or config.dtype)
     return KVCache(
-        k=zeros,
-        v=zeros,
+        k=jnp.zeros(shape, dtype or config.dtype),
+        v=jnp.zeros(shape, dtype or config.dtype),
         positions=jnp.full((batch, max_len), -1, jnp.int32),
         lengths=jnp.zeros((batch,), jnp.int32),
     )

@@ -4,5 +4,7 @@ from linnet_jax.ops.attention import attention
 from linnet_jax.ops.mlp import swiglu
 from linnet_jax.ops.norm import rms_norm
 from linnet_jax.ops.rope import RopeScaling, apply_rope, inverse_frequencies
+from linnet_jax.ops.sampling import SamplingParams, filtered_logits, penalize_repeats, sample
 
-__all__ = ["RopeScaling", "apply_rope", "attention", "inverse_frequencies", "rms_norm", "swiglu"]
+__all__ = ["RopeScaling", "SamplingParams", "apply_rope", "attention", "filtered_logits", "inverse_frequencies",
+           "penalize_repeats", "rms_norm", "sample", "swiglu"]
