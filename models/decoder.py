@@ -26,7 +26,7 @@ from linnet_jax.ops import apply_rope, attention, inverse_frequencies, rms_norm,
 class KVCache:
     """A static cache of S slots per row.
 
-    k, v: [L, B, S, G, K]; positions: [B, S] int32, the position held by each slot (-1 = none);
+    k, v: [L, B, G, S, K]; positions: [B, S] int32, the position held by each slot (-1 = none);
     lengths: [B] int32, the slots each row has used.
     """
 
@@ -37,12 +37,12 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 def init_cache(config: Config, batch: int, max_len: int, dtype=None) -> KVCache:
     """An empty cache of max_len slots per row, in the params dtype unless told otherwise."""
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
     return KVCache(
         k=jnp.zeros(shape, dtype or config.dtype),
         v=jnp.zeros(shape, dtype or config.dtype),
@@ -65,15 +65,15 @@ def project_qkv(h: jax.Array, lp: LayerParams, config: Config) -> tuple[jax.Arra
 
 
 def write_rows(cache: jax.Array, layer: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
-    """Write each row's new entries into one layer of the cache.
+    """Write each row's new entries into one layer of the cache, in place.
 
-    cache: [L, B, S, G, K]; layer: int scalar; new: [B, T, G, K]; starts: [B] first slot per row.
+    cache: [L, B, G, S, K]; layer: int scalar; new: [B, G, T, K]; starts: [B] first slot per row.
+    One dynamic_update_slice per row: on XLA:CPU a vmapped (scatter) write measured ~6x slower per step.
     """
-
-    def write_row(row_cache, row_new, start):  # [L, S, G, K], [T, G, K], scalar
-        return jax.lax.dynamic_update_slice(row_cache, row_new[None].astype(row_cache.dtype), (layer, start, 0, 0))
-
-    return jax.vmap(write_row, in_axes=(1, 0, 0), out_axes=1)(cache, new, starts)
+    new = new.astype(cache.dtype)
+    for row in range(new.shape[0]):
+        cache = jax.lax.dynamic_update_slice(cache, new[None, row : row + 1], (layer, row, 0, starts[row], 0))
+    return cache
 
 
 def append_positions(cache: KVCache, positions: jax.Array) -> KVCache:
@@ -100,7 +100,8 @@ def decoder_layer(
     with jax.named_scope("attention"):
         q, k, v = project_qkv(rms_norm(x, lp.attn_norm, config.rms_norm_eps), lp, config)
         q = apply_rope(q, rope_positions, inv_freq)
-        k = apply_rope(k, rope_positions, inv_freq)
+        k = jnp.swapaxes(apply_rope(k, rope_positions, inv_freq), 1, 2)  # [B, G, T, K]
+        v = jnp.swapaxes(v, 1, 2)
         if cache is None:
             keys, values, key_positions = k, v, positions
         else:

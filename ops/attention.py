@@ -34,15 +34,15 @@ def attention(
 ) -> jax.Array:
     """Softmax attention of H query heads over G key/value heads, softmax in float32.
 
-    q: [B, T, H, K]; k, v: [B, S, G, K]; q_positions: [B, T]; k_positions: [B, S].
-    Returns [B, T, H, K] in q's dtype.
+    q: [B, T, H, K]; k, v: [B, G, S, K] (heads before slots: the dots then need no transposes);
+    q_positions: [B, T]; k_positions: [B, S]. Returns [B, T, H, K] in q's dtype.
     """
     b, t, h, d = q.shape
-    g = k.shape[2]
+    g = k.shape[1]
     q = q.reshape(b, t, g, h // g, d)
-    scores = jnp.einsum("btgrk,bsgk->bgrts", q, k, preferred_element_type=jnp.float32) * d**-0.5
+    scores = jnp.einsum("btgrk,bgsk->bgrts", q, k, preferred_element_type=jnp.float32) * d**-0.5
     mask = attention_mask(q_positions, k_positions, window)[:, None, None]  # [B, 1, 1, T, S]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bgrts,bsgk->btgrk", probs, v)
+    out = jnp.einsum("bgrts,bgsk->btgrk", probs, v)
     return out.reshape(b, t, h, d)
