@@ -27,7 +27,7 @@ MIN_BUCKET = 16
 STOP_ID_SLOTS = 16  # stop ids travel as a fixed-size array, padded with -1
 STREAM_CHUNK = 4  # decode steps per dispatch when streaming
 STOP_STRING_CHUNK = 32  # decode steps per dispatch when stop strings are watched
-RUNNING, EOS, LENGTH = 0, 1, 2
+RUNNING, STOP_ID, LENGTH = 0, 1, 2
 TRACES = {"prefill": 0, "decode": 0}  # incremented when a program is traced: tests count retraces
 
 
@@ -50,7 +50,7 @@ class DecodeState:
     logprobs: jax.Array  # [B, N] float32, log-softmax of the raw logits at the chosen tokens
     seen: jax.Array  # [B, V] bool, prompt and generated tokens (for the repetition penalty)
     positions: jax.Array  # [B] int32, the position of the last token
-    finish: jax.Array  # [B] int32: RUNNING, EOS or LENGTH
+    finish: jax.Array  # [B] int32: RUNNING, STOP_ID (a stop id was chosen) or LENGTH
     count: jax.Array  # [B] int32, tokens generated so far (the stop token included)
     step: jax.Array  # int32 scalar, steps taken
 
@@ -70,7 +70,7 @@ def choose(state: DecodeState, logits: jax.Array, sampling: SamplingParams, stop
     write = lambda buffer, value: jnp.where(  # noqa: E731
         running[:, None], jnp.put_along_axis(buffer, column, value[:, None], axis=1, inplace=False), buffer)
     count = state.count + running
-    finish = jnp.where(running & jnp.isin(chosen, stop_ids), EOS, state.finish)
+    finish = jnp.where(running & jnp.isin(chosen, stop_ids), STOP_ID, state.finish)
     finish = jnp.where((finish == RUNNING) & (count >= max_new), LENGTH, finish)
     rows = jnp.arange(chosen.shape[0])
     return state.replace(
@@ -203,11 +203,16 @@ def make_sampling(batch: int, temperature, top_k, top_p, min_p, repetition_penal
     return SamplingParams(**{k: jnp.asarray(v) for k, v in values.items()}, keys=keys)
 
 
+def eos_ids(model: Model) -> set[int]:
+    """Every end-of-sequence id the model declares (config, generation config, tokenizer)."""
+    return set(model.config.eos_token_ids) | set(model.tokenizer.eos_token_ids if model.tokenizer else ())
+
+
 def stop_id_array(model: Model, stop_token_ids, ignore_eos: bool) -> jax.Array:
     """Every id that ends a row, padded to STOP_ID_SLOTS with -1."""
     ids = set(stop_token_ids or ())
     if not ignore_eos:
-        ids |= set(model.config.eos_token_ids) | set(model.tokenizer.eos_token_ids if model.tokenizer else ())
+        ids |= eos_ids(model)
     if len(ids) > STOP_ID_SLOTS:
         raise ValueError(f"at most {STOP_ID_SLOTS} stop token ids are supported, got {len(ids)}")
     bad = [i for i in ids if not 0 <= i < model.config.vocab_size]
@@ -262,14 +267,21 @@ def run(model: Model, prompts: list[list[int]], max_new_tokens: int, max_len: in
         yield state
 
 
-def row_results(state: DecodeState) -> list[tuple[list[int], str, list[float]]]:
-    """Each row's (new ids without the stop token, stop reason, logprobs)."""
+def row_results(state: DecodeState, eos: set[int]) -> list[tuple[list[int], str, list[float]]]:
+    """Each row's (new ids without the stop token, stop reason, logprobs).
+
+    The reason is "eos" for one of the model's eos ids, "stop" for another stop id, else "length".
+    """
     tokens, logprobs = np.asarray(state.tokens), np.asarray(state.logprobs)
     results = []
     for row, (count, finish) in enumerate(zip(np.asarray(state.count), np.asarray(state.finish))):
-        kept = int(count) - (finish == EOS)
-        reason = {EOS: "eos", LENGTH: "length"}.get(int(finish), "length")
-        results.append((tokens[row, :kept].tolist(), reason, logprobs[row, :kept].tolist()))
+        ids, scores = tokens[row, :count].tolist(), logprobs[row, :count].tolist()
+        if finish == STOP_ID:
+            reason = "eos" if ids[-1] in eos else "stop"
+            ids, scores = ids[:-1], scores[:-1]
+        else:
+            reason = "length"
+        results.append((ids, reason, scores))
     return results
 
 
@@ -323,21 +335,21 @@ def generate(model: Model, prompt=None, max_new_tokens: int = 128, *, tokens=Non
     chunk = STREAM_CHUNK if stream else (STOP_STRING_CHUNK if stops else None)
     states = run(model, request.prompts, max_new_tokens, max_len, sampling, stop_ids, chunk)
     if stream:
-        return _stream(model.tokenizer, states, stops)
+        return _stream(model.tokenizer, states, stops, eos_ids(model))
     rows = []
     for state in states:
-        rows = [finish_row(model.tokenizer, *row, stops) for row in row_results(state)]
-        if stops and all(r.stop_reason == "stop" or r.stop_reason == "eos" for r in rows):
+        rows = [finish_row(model.tokenizer, *row, stops) for row in row_results(state, eos_ids(model))]
+        if stops and all(r.stop_reason != "length" for r in rows):
             break
     results = rows if return_details else [r.text if request.as_text else r.tokens for r in rows]
     return results[0] if request.single else results
 
 
-def _stream(tokenizer, states: Iterator[DecodeState], stops: list[str]) -> Iterator[str]:
+def _stream(tokenizer, states: Iterator[DecodeState], stops: list[str], eos: set[int]) -> Iterator[str]:
     """Yield the new text after each dispatch, holding back what a stop string or a partial char may change."""
     emitted = 0
     for state in states:
-        generation = finish_row(tokenizer, *row_results(state)[0], stops)
+        generation = finish_row(tokenizer, *row_results(state, eos)[0], stops)
         done = generation.stop_reason == "stop" or not bool(state.finish[0] == RUNNING)
         safe = len(generation.text) if done else len(generation.text) - held_back(generation.text, stops)
         if safe > emitted:
