@@ -1,0 +1,94 @@
+"""The command line: `linnet-jax generate "PROMPT"` and `linnet-jax chat` (also `python -m linnet_jax`)."""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+
+def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
+    """Turn on JAX's persistent compilation cache, so a second run skips compiling. Returns its directory.
+
+    Default: $XDG_CACHE_HOME/linnet_jax/jax (~/.cache/linnet_jax/jax). Changes a global JAX setting,
+    which is why importing linnet_jax never calls it; the CLI does unless --no-compilation-cache.
+    """
+    if path is None:
+        path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "linnet_jax" / "jax"
+    path = Path(path).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    return path
+
+
+def parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", default=None, help="HF directory, hub id or .gguf (default: SmolLM2-135M-Instruct)")
+    common.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    common.add_argument("--max-new-tokens", type=int, default=256)
+    common.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    common.add_argument("--top-k", type=int, default=0)
+    common.add_argument("--top-p", type=float, default=1.0)
+    common.add_argument("--min-p", type=float, default=0.0)
+    common.add_argument("--seed", type=int, default=0)
+    common.add_argument("--system", default=None, help="a system message for the chat template")
+    common.add_argument("--raw", action="store_true", help="no chat template: the prompt as plain text")
+    common.add_argument("--ignore-eos", action="store_true", help="run to --max-new-tokens")
+    common.add_argument("--no-compilation-cache", action="store_true", help="do not use the persistent JAX cache")
+    main = argparse.ArgumentParser(prog="linnet-jax", description="Llama-family models in JAX.")
+    commands = main.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("generate", parents=[common], help="generate from one prompt, streamed")
+    run.add_argument("prompt")
+    commands.add_parser("chat", parents=[common], help="an interactive chat, streamed")
+    return main
+
+
+def conversation_start(args) -> list[dict]:
+    return [{"role": "system", "content": args.system}] if args.system else []
+
+
+def stream_reply(model, prompt, args) -> str:
+    """Stream one reply to stdout; return its text."""
+    from linnet_jax import generate
+
+    pieces = []
+    for piece in generate(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
+                          chat=not args.raw, stream=True):
+        print(piece, end="", flush=True)
+        pieces.append(piece)
+    print(flush=True)
+    return "".join(pieces)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if not args.no_compilation_cache:
+        enable_compilation_cache()
+    from linnet_jax import load
+
+    start = time.perf_counter()
+    model = load(args.model, dtype=args.dtype)
+    print(f"{model} loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    if args.raw and args.system:
+        raise SystemExit("--system needs the chat template; drop --raw")
+    if args.command == "generate":
+        prompt = args.prompt if args.raw else conversation_start(args) + [{"role": "user", "content": args.prompt}]
+        stream_reply(model, prompt, args)
+        return 0
+    messages = conversation_start(args)
+    print("Chat with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
+    while True:
+        try:
+            text = input("> ")
+        except EOFError:
+            return 0
+        if not text.strip():
+            return 0
+        if args.raw:
+            stream_reply(model, text, args)
+            continue
+        messages.append({"role": "user", "content": text})
+        messages.append({"role": "assistant", "content": stream_reply(model, messages, args)})
