@@ -120,20 +120,21 @@ def test_missing_source_is_file_not_found(tmp_path):
         linnet_jax.load(tmp_path)
 
 
-def test_directory_without_weights(tiny_dir, tmp_path):
-    _, directory = tiny_dir("llama_mha")
+def config_only(tiny_dir, tmp_path):
+    """A directory holding a tiny model's config.json and no weights."""
     target = tmp_path / "m"
     target.mkdir()
-    shutil.copy(directory / "config.json", target)
+    shutil.copy(tiny_dir("llama_mha")[1] / "config.json", target)
+    return target
+
+
+def test_directory_without_weights(tiny_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="no weights"):
-        linnet_jax.load(target)
+        linnet_jax.load(config_only(tiny_dir, tmp_path))
 
 
 def test_pickle_checkpoints_are_refused(tiny_dir, tmp_path):
-    _, directory = tiny_dir("llama_mha")
-    target = tmp_path / "m"
-    target.mkdir()
-    shutil.copy(directory / "config.json", target)
+    target = config_only(tiny_dir, tmp_path)
     (target / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(ValueError, match=r"only pickle checkpoints \(pytorch_model.bin\); they are refused"):
         linnet_jax.load(target)
