@@ -130,6 +130,7 @@ class TransformersEager(System):
         import transformers
 
         torch.set_num_threads(TORCH_THREADS)
+        transformers.utils.logging.disable_progress_bar()
         self.torch = torch
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             self.model_path.parent, gguf_file=self.model_path.name, dtype=torch.float32,
@@ -151,7 +152,12 @@ class TransformersEager(System):
 
 @register("transformers_compiled")
 class TransformersCompiled(TransformersEager):
-    """The same, with a static cache and `torch.compile(model.forward, fullgraph=True)` (inductor, CPU)."""
+    """The same, with a static cache and `torch.compile(model.forward, fullgraph=True)` (inductor, CPU).
+
+    mode="default": "reduce-overhead" adds CUDA graphs, which do nothing on the CPU. The first call
+    compiles the prefill shape and then, once, the one-token step (dynamic in length); the timed
+    runs trigger no recompilation. `logits` goes through the compiled forward too (one more graph).
+    """
 
     label = "transformers, static cache + torch.compile"
     generate_options = {"cache_implementation": "static"}
@@ -261,7 +267,7 @@ class Worker:
         self.measured = Measured(name, SYSTEMS[name].label)
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", name,
                    "--model-path", str(model_path), "--prompt-tokens", str(args.prompt_tokens)]
-        env = os.environ | {"TOKENIZERS_PARALLELISM": "false"}
+        env = os.environ | {"TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         ready = self.receive()
         if ready is not None:
@@ -355,6 +361,10 @@ def compare_to_reference(results: list[Measured]) -> None:
 # Reporting.
 
 
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def fmt(value, pattern: str) -> str:
     return "–" if value is None else pattern.format(value)
 
@@ -382,6 +392,8 @@ def table(results: list[Measured], new_tokens: int) -> str:
 def notes(results: list[Measured]) -> list[str]:
     """Per-run figures, and anything irregular (tokens that changed between runs, late failures)."""
     lines = []
+    if not any(m.name == REFERENCE and m.logits_path for m in results):
+        lines.append(f"- no distance or agreement: the reference ({REFERENCE}) was not in this run or failed")
     for m in results:
         if m.decode_tok_s:
             runs = ", ".join(f"{d:.1f}" for d in m.decode_tok_s)
@@ -425,8 +437,8 @@ def report(results: list[Measured], args: argparse.Namespace, command: str) -> s
         f"{args.new_tokens} new tokens",
         "",
         f"Measured {when} on {machine()}; {versions()}; linnet_jax at {code_version()}.",
-        f"Median of {args.runs} runs after {args.warmups} warm-ups, systems interleaved run by run, "
-        "each in its own process.",
+        f"Median of {plural(args.runs, 'run')} after {plural(args.warmups, 'warm-up')}, "
+        "systems interleaved run by run, each in its own process.",
         f"Command: `{command}`",
         "",
         table(results, args.new_tokens),

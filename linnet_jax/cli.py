@@ -1,4 +1,5 @@
-"""The command line: `linnet-jax generate "PROMPT"` and `linnet-jax chat` (also `python -m linnet_jax`)."""
+"""The command line: `linnet-jax generate "PROMPT"`, `linnet-jax chat` and `linnet-jax export` (also
+`python -m linnet_jax`)."""
 
 import argparse
 import os
@@ -7,6 +8,12 @@ import time
 from pathlib import Path
 
 import jax
+
+from linnet_jax.models.config import DTYPES
+
+# --format -> the --dtype values it takes: for gguf the GGUF storage type, else the weights' dtype.
+EXPORT_DTYPES = {"stablehlo": DTYPES, "jax-source": DTYPES, "hf": DTYPES, "gguf": ("f32", "f16", "bf16", "q8_0")}
+GGUF_DEFAULT = "f16"
 
 
 def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
@@ -24,9 +31,11 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
 
 
 def parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--model", default=None, help="HF directory, hub id or .gguf (default: SmolLM2-135M-Instruct)")
-    common.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    source = argparse.ArgumentParser(add_help=False)
+    source.add_argument("--model", default=None, help="HF directory, hub id or .gguf (default: SmolLM2-135M-Instruct)")
+    source.add_argument("--no-compilation-cache", action="store_true", help="do not use the persistent JAX cache")
+    common = argparse.ArgumentParser(add_help=False, parents=[source])
+    common.add_argument("--dtype", default=None, choices=DTYPES)
     common.add_argument("--max-new-tokens", type=int, default=256)
     common.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     common.add_argument("--top-k", type=int, default=0)
@@ -36,13 +45,29 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--system", default=None, help="a system message for the chat template")
     common.add_argument("--raw", action="store_true", help="no chat template: the prompt as plain text")
     common.add_argument("--ignore-eos", action="store_true", help="run to --max-new-tokens")
-    common.add_argument("--no-compilation-cache", action="store_true", help="do not use the persistent JAX cache")
     main = argparse.ArgumentParser(prog="linnet-jax", description="Llama-family models in JAX.")
     commands = main.add_subparsers(dest="command", required=True)
     run = commands.add_parser("generate", parents=[common], help="generate from one prompt, streamed")
     run.add_argument("prompt")
     commands.add_parser("chat", parents=[common], help="an interactive chat, streamed")
+    export = commands.add_parser("export", parents=[source], help="export the model (prints the path written)")
+    export.add_argument("--format", required=True, choices=sorted(EXPORT_DTYPES))
+    export.add_argument("--dtype", default=None, help=f"the weights' dtype, {', '.join(DTYPES)}; for gguf the GGUF "
+                        f"type, {', '.join(EXPORT_DTYPES['gguf'])} (default {GGUF_DEFAULT})")
+    export.add_argument("--overwrite", action="store_true", help="write over an existing OUT")
+    export.add_argument("out", metavar="OUT", help="a directory (a .gguf file for --format gguf)")
     return main
+
+
+def export_model(args) -> Path:
+    """Load the model and run linnet_jax.export.<format> on it; returns what it wrote."""
+    from linnet_jax import export, load
+
+    if args.format == "gguf":
+        model = load(args.model)
+        return export.gguf(model, args.out, dtype=args.dtype or GGUF_DEFAULT, overwrite=args.overwrite)
+    model = load(args.model, dtype=args.dtype)
+    return getattr(export, args.format.replace("-", "_"))(model, args.out, overwrite=args.overwrite)
 
 
 def conversation_start(args) -> list[dict]:
@@ -64,9 +89,18 @@ def stream_reply(model, prompt, args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    arguments = parser()
+    args = arguments.parse_args(argv)
+    if args.command == "export" and args.dtype not in (None, *EXPORT_DTYPES[args.format]):
+        arguments.error(f"--dtype {args.dtype} is not one of {EXPORT_DTYPES[args.format]} (for --format {args.format})")
     if not args.no_compilation_cache:
         enable_compilation_cache()
+    if args.command == "export":
+        try:
+            print(export_model(args))
+        except FileExistsError as error:
+            raise SystemExit(f"linnet-jax export: {error}") from None
+        return 0
     from linnet_jax import load
 
     start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""`load`: a Model from a Hugging Face directory, a hub id, a GGUF file or the embedded default."""
+"""`load`: a Model from a Hugging Face directory, a hub id, a GGUF file, an Orbax checkpoint or the embedded default."""
 
 import dataclasses
 import importlib.metadata
@@ -11,6 +11,7 @@ import numpy as np
 import safetensors
 from tqdm.auto import tqdm
 
+from linnet_jax.checkpoint import is_checkpoint, load_checkpoint
 from linnet_jax.model import Model
 from linnet_jax.models import Config, params_from_hf
 from linnet_jax.models.config import DTYPES
@@ -26,7 +27,8 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def load(source=None, *, dtype=None, revision=None, cache_dir=None, token=None, progress: bool = True) -> Model:
     """Load a Llama-family model.
 
-    source: a local Hugging Face directory (config.json + safetensors, single or sharded), a hub id
+    source: a local Hugging Face directory (config.json + safetensors, single or sharded), a directory
+    written by `linnet_jax.save` (Orbax), a hub id
     ("org/name", resolved through huggingface_hub and its cache, so HF_HUB_OFFLINE=1 works from a
     local cache), a `.gguf` file, or None / "smollm2-135m-instruct" for the embedded default.
     dtype: None keeps the checkpoint's dtype (float32 for dequantized GGUF); "float32",
@@ -35,7 +37,7 @@ def load(source=None, *, dtype=None, revision=None, cache_dir=None, token=None, 
     target = _dtype(dtype)
     path = resolve(source, revision=revision, cache_dir=cache_dir, token=token)
     if path.is_dir():
-        return _load_hf_dir(path, target, progress)
+        return load_checkpoint(path, target) if is_checkpoint(path) else _load_hf_dir(path, target, progress)
     if path.suffix == ".gguf":
         return _load_gguf(path, target, progress)
     if path.suffix in PICKLE_SUFFIXES:

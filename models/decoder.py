@@ -5,12 +5,16 @@ g key/value heads, k head dim, v vocab.
 
 One `forward` serves a full forward (no cache), prefill and decode. Layers run under
 `lax.scan` over the stacked weights, with the whole cache in the scan carry, so compile time
-and program size stay flat in depth.
+and program size stay flat in depth. Given params whose layers are a tuple (`unstack_layers`)
+and a cache unstacked alike (`unstack_cache`), the layers are unrolled instead: on XLA:CPU a
+layer's weights sliced out of the stacked arrays are copied before each product, which costs
+more than the products themselves in decode, while per-layer arrays are read where they lie
+(benchmarks/RESULTS.md). `generate` decodes that way.
 
-The cache keeps, beside keys and values, the position of every slot (-1 = empty or padding)
-and how many slots each row has used. A row's T new tokens go to its next T slots, whatever
-their positions: masks come from the stored positions, so left- or right-padded rows and rows
-at different lengths share one program.
+The cache keeps keys and values per row of (batch row, key/value head), beside the position of
+every slot (-1 = empty or padding) and how many slots each batch row has used. A row's T new
+tokens go to its next T slots, whatever their positions: masks come from the stored positions,
+so left- or right-padded rows and rows at different lengths share one program.
 """
 
 import flax.struct
@@ -26,8 +30,10 @@ from linnet_jax.ops import apply_rope, attention, inverse_frequencies, rms_norm,
 class KVCache:
     """A static cache of S slots per row.
 
-    k, v: [L, B, G, S, K]; positions: [B, S] int32, the position held by each slot (-1 = none);
-    lengths: [B] int32, the slots each row has used.
+    k: [L, N, S, K] and v: [L, N, K, S], N = B * G rows (row b * G + g: batch row b, key/value
+    head g), the layout `attention` takes; or, unstacked for the unrolled forward, tuples of L
+    per-layer [N, S, K] and [N, K, S] arrays. positions: [B, S] int32, the position held by each
+    slot (-1 = none); lengths: [B] int32, the slots each batch row has used.
     """
 
     k: jax.Array
@@ -37,18 +43,23 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.positions.shape[1]
 
 
 def init_cache(config: Config, batch: int, max_len: int, dtype=None) -> KVCache:
     """An empty cache of max_len slots per row, in the params dtype unless told otherwise."""
-    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
+    rows = batch * config.num_kv_heads
     return KVCache(
-        k=jnp.zeros(shape, dtype or config.dtype),
-        v=jnp.zeros(shape, dtype or config.dtype),
+        k=jnp.zeros((config.num_layers, rows, max_len, config.head_dim), dtype or config.dtype),
+        v=jnp.zeros((config.num_layers, rows, config.head_dim, max_len), dtype or config.dtype),
         positions=jnp.full((batch, max_len), -1, jnp.int32),
         lengths=jnp.zeros((batch,), jnp.int32),
     )
+
+
+def unstack_cache(cache: KVCache) -> KVCache:
+    """The same cache with k and v as tuples of per-layer arrays, for the unrolled forward."""
+    return cache.replace(k=tuple(cache.k), v=tuple(cache.v))
 
 
 def project_qkv(h: jax.Array, lp: LayerParams, config: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -64,16 +75,42 @@ def project_qkv(h: jax.Array, lp: LayerParams, config: Config) -> tuple[jax.Arra
     return q, k, v
 
 
-def write_rows(cache: jax.Array, layer: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
-    """Write each row's new entries into one layer of the cache, in place.
+def write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array, slot_axis: int, at: tuple = ()) -> jax.Array:
+    """Write each batch row's new entries into its next slots, in place.
 
-    cache: [L, B, G, S, K]; layer: int scalar; new: [B, G, T, K]; starts: [B] first slot per row.
-    One dynamic_update_slice per row: on XLA:CPU a vmapped (scatter) write measured ~6x slower per step.
+    cache: [*A, N, S, K] keys (slot_axis -2) or [*A, N, K, S] values (slot_axis -1); at: indices
+    into the leading axes A (the layer of a stacked cache); new: [N, T, K] or [N, K, T];
+    starts: [B], each batch row's first slot. One dynamic_update_slice per batch row: on XLA:CPU
+    a vmapped (scatter) write measured ~6x slower per step.
     """
     new = new.astype(cache.dtype)
-    for row in range(new.shape[0]):
-        cache = jax.lax.dynamic_update_slice(cache, new[None, row : row + 1], (layer, row, 0, starts[row], 0))
+    heads = new.shape[0] // starts.shape[0]
+    for row in range(starts.shape[0]):
+        index = [row * heads, 0, 0]
+        index[slot_axis] = starts[row]
+        block = new[row * heads : (row + 1) * heads]
+        cache = jax.lax.dynamic_update_slice(cache, block[(None,) * len(at)], (*at, *index))
     return cache
+
+
+def update_cache(cache: KVCache, layer: int | jax.Array, keys: jax.Array, values: jax.Array
+                 ) -> tuple[KVCache, jax.Array, jax.Array]:
+    """Write one layer's new keys [N, T, K] and values [N, K, T] into each row's next T slots.
+
+    Returns the cache and the layer's keys [N, S, K] and values [N, K, S]. layer: a Python int
+    for an unstacked cache, else an index into the stacked one.
+    """
+    starts = cache.lengths - keys.shape[1]  # positions were appended before the layers
+    if isinstance(cache.k, tuple):
+        k = write_rows(cache.k[layer], keys, starts, -2)
+        v = write_rows(cache.v[layer], values, starts, -1)
+        return cache.replace(k=(*cache.k[:layer], k, *cache.k[layer + 1:]),
+                             v=(*cache.v[:layer], v, *cache.v[layer + 1:])), k, v
+    cache = cache.replace(k=write_rows(cache.k, keys, starts, -2, at=(layer,)),
+                          v=write_rows(cache.v, values, starts, -1, at=(layer,)))
+    k = jax.lax.dynamic_index_in_dim(cache.k, layer, keepdims=False)
+    v = jax.lax.dynamic_index_in_dim(cache.v, layer, keepdims=False)
+    return cache, k, v
 
 
 def append_positions(cache: KVCache, positions: jax.Array) -> KVCache:
@@ -91,7 +128,7 @@ def decoder_layer(
     config: Config,
     positions: jax.Array,
     window: jax.Array,
-    layer: jax.Array,
+    layer: int | jax.Array,
     cache: KVCache | None,
 ) -> tuple[jax.Array, KVCache | None]:
     """One pre-norm block: x + attention(norm(x)), then + swiglu(norm(x)). x: [B, T, D]."""
@@ -100,17 +137,18 @@ def decoder_layer(
     with jax.named_scope("attention"):
         q, k, v = project_qkv(rms_norm(x, lp.attn_norm, config.rms_norm_eps), lp, config)
         q = apply_rope(q, rope_positions, inv_freq)
-        k = jnp.swapaxes(apply_rope(k, rope_positions, inv_freq), 1, 2)  # [B, G, T, K]
-        v = jnp.swapaxes(v, 1, 2)
+        k = apply_rope(k, rope_positions, inv_freq)
+        b, t, g, d = k.shape
+        keys = jnp.swapaxes(k, 1, 2).reshape(b * g, t, d)  # [N, T, K]
+        values = jnp.transpose(v, (0, 2, 3, 1)).reshape(b * g, d, t)  # [N, K, T]
+        own = lambda: attention(q, keys, values, rope_positions, positions, window)  # noqa: E731
         if cache is None:
-            keys, values, key_positions = k, v, positions
+            mixed = own()
         else:
-            starts = cache.lengths - positions.shape[1]  # positions were appended before the layers
-            cache = cache.replace(k=write_rows(cache.k, layer, k, starts), v=write_rows(cache.v, layer, v, starts))
-            keys = jax.lax.dynamic_index_in_dim(cache.k, layer, keepdims=False)
-            values = jax.lax.dynamic_index_in_dim(cache.v, layer, keepdims=False)
-            key_positions = cache.positions
-        mixed = attention(q, keys, values, rope_positions, key_positions, window)
+            cache, cached_keys, cached_values = update_cache(cache, layer, keys, values)
+            cached = lambda: attention(q, cached_keys, cached_values, rope_positions, cache.positions, window)  # noqa: E731
+            # Tokens written into an empty cache (a prefill) see only each other: skip the empty slots.
+            mixed = cached() if t == 1 else jax.lax.cond(jnp.all(cache.lengths == t), own, cached)
         out = jnp.einsum("bthk,hkd->btd", mixed, lp.wo)
         x = x + (out + lp.bo if config.o_bias else out)
     with jax.named_scope("mlp"):
@@ -135,17 +173,23 @@ def forward(
     Returns (float32 logits [B, T, V] or [B, 1, V], cache).
     """
     x = jnp.take(params.embed, tokens, axis=0)
-    windows = jnp.asarray(config.layer_windows, jnp.int32)
     if cache is not None:
         cache = append_positions(cache, positions)
+    if isinstance(params.layers, tuple):
+        for layer, lp in enumerate(params.layers):
+            x, cache = decoder_layer(x, lp, config, positions, config.layer_windows[layer], layer, cache)
+    else:
+        if cache is not None and isinstance(cache.k, tuple):
+            raise ValueError("an unstacked cache (unstack_cache) needs unstacked params (unstack_layers)")
 
-    def body(carry, layer_inputs):
-        x, cache = carry
-        lp, window, layer = layer_inputs
-        return decoder_layer(x, lp, config, positions, window, layer, cache), None
+        def body(carry, layer_inputs):
+            x, cache = carry
+            lp, window, layer = layer_inputs
+            return decoder_layer(x, lp, config, positions, window, layer, cache), None
 
-    layer_ids = jnp.arange(config.num_layers)
-    (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, windows, layer_ids))
+        windows = jnp.asarray(config.layer_windows, jnp.int32)
+        layer_ids = jnp.arange(config.num_layers)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, windows, layer_ids))
     x = rms_norm(x, params.final_norm, config.rms_norm_eps)
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)

@@ -8,6 +8,7 @@ every einsum contracts the leading axis; transformers stores them [out, in].
 converting to and from Hugging Face names all read it.
 """
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 
@@ -170,6 +171,51 @@ def params_to_hf(params: Params, config: Config) -> dict[str, np.ndarray]:
         for i in range(config.num_layers):
             state[f"model.layers.{i}.{suffix}"] = to_hf_layer_tensor(stacked[i], input_axes)
     return state
+
+
+def flatten_params(tree: Params | LayerParams, prefix: str = "") -> dict[str, jax.Array]:
+    """Params as one flat {name: array} in field order: "embed", "layers.attn_norm", ..., "final_norm".
+
+    Absent (None) fields are left out. These are the names of the exports that take plain containers
+    (StableHLO, the generated JAX source, and their safetensors files).
+    """
+    flat = {}
+    for field in dataclasses.fields(tree):
+        value = getattr(tree, field.name)
+        if dataclasses.is_dataclass(value):
+            flat |= flatten_params(value, f"{prefix}{field.name}.")
+        elif value is not None:
+            flat[prefix + field.name] = value
+    return flat
+
+
+def unflatten_params(flat: dict[str, jax.Array]) -> Params:
+    """The inverse of flatten_params."""
+    layers = {name.removeprefix("layers."): array for name, array in flat.items() if name.startswith("layers.")}
+    top = {name: array for name, array in flat.items() if not name.startswith("layers.")}
+    return Params(layers=LayerParams(**layers), **top)
+
+
+def unstack_layers(params: Params) -> Params:
+    """The same weights with `layers` as a tuple of per-layer LayerParams (no layer axis).
+
+    The forward unrolls its layers over such params; on XLA:CPU that decodes faster than the scan
+    over the stacked arrays, whose per-layer slices are copied before every product.
+    """
+    leaves, treedef = jax.tree.flatten(params.layers)
+    slices = [layer_slices(leaf) for leaf in leaves]
+    count = len(slices[0])
+    return params.replace(layers=tuple(jax.tree.unflatten(treedef, [s[i] for s in slices]) for i in range(count)))
+
+
+def layer_slices(stacked: jax.Array) -> list[jax.Array]:
+    """stacked [L, ...] as L arrays: on a single CPU device views of its memory (`np.asarray` exposes
+    that memory and `device_put` may alias host memory there), else copies."""
+    devices = stacked.devices()
+    if len(devices) == 1 and next(iter(devices)).platform == "cpu":
+        host = np.asarray(stacked)
+        return [jax.device_put(layer, stacked.sharding, may_alias=True) for layer in host]
+    return list(stacked)
 
 
 def count(params: Params | Mapping) -> int:

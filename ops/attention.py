@@ -1,7 +1,14 @@
 """Grouped-query attention with causal, padding and sliding-window masks.
 
-Einsum legend: b batch, t query positions, s key positions, g key/value heads,
-r query heads per key/value head (H = G * R), k head dim.
+Einsum legend: n cache rows (one per batch row and key/value head, N = B * G, row b * G + g),
+t query positions, s key positions, k head dim.
+
+Keys come as [N, S, K] and values as [N, K, S], the layout of the KV cache: both products then
+contract the minor axis of each operand, which XLA:CPU's kernels take as they are, and the
+arrays have no size-1 axis at batch 1, so XLA reads a cache updated in place without first
+copying it. Each of the R = H / G query heads sharing a key/value head gets its own products,
+with one row per query position: a decode step is then a batch of matrix-vector products,
+which XLA:CPU runs about twice as fast as one product of R rows (benchmarks/RESULTS.md).
 
 Masks are built from positions, not from array indices: query i sees key j when
 0 <= pos_k[j] <= pos_q[i] and (no window, or pos_q[i] - pos_k[j] < window). A negative key
@@ -34,15 +41,16 @@ def attention(
 ) -> jax.Array:
     """Softmax attention of H query heads over G key/value heads, softmax in float32.
 
-    q: [B, T, H, K]; k, v: [B, G, S, K] (heads before slots: the dots then need no transposes);
+    q: [B, T, H, K]; k: [N, S, K] and v: [N, K, S] with N = B * G (row b * G + g);
     q_positions: [B, T]; k_positions: [B, S]. Returns [B, T, H, K] in q's dtype.
     """
     b, t, h, d = q.shape
-    g = k.shape[1]
-    q = q.reshape(b, t, g, h // g, d)
-    scores = jnp.einsum("btgrk,bgsk->bgrts", q, k, preferred_element_type=jnp.float32) * d**-0.5
-    mask = attention_mask(q_positions, k_positions, window)[:, None, None]  # [B, 1, 1, T, S]
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bgrts,bgsk->btgrk", probs, v)
-    return out.reshape(b, t, h, d)
+    n, s, _ = k.shape
+    g = n // b
+    heads = q.reshape(b, t, g, h // g, d).transpose(3, 0, 2, 1, 4).reshape(h // g, n, t, d)  # [R, N, T, K]
+    scores = jnp.stack([jnp.einsum("ntk,nsk->nts", head, k, preferred_element_type=jnp.float32) for head in heads])
+    mask = attention_mask(q_positions, k_positions, window)[:, None]  # [B, 1, T, S]
+    scores = jnp.where(mask, scores.reshape(-1, b, g, t, s) * d**-0.5, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(-1, n, t, s)  # [R, N, T, S]
+    out = jnp.stack([jnp.einsum("nts,nks->ntk", p, v) for p in probs])  # [R, N, T, K]
+    return out.reshape(-1, b, g, t, d).transpose(1, 3, 2, 0, 4).reshape(b, t, h, d)

@@ -26,8 +26,8 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos=None) ->
 
 def agreed_steps(ours: list[int], theirs: list[int], gaps: list[float]) -> tuple[int, int]:
     """(steps compared: up to the first near-tie in the reference, steps that agree among them)."""
-    compared = next((i for i, gap in enumerate(gaps) if gap < NEAR_TIE), len(gaps))
-    compared = min(compared + 1, len(theirs))  # the near-tie step itself may go either way: compare before it
+    # The near-tie step itself may go either way: compare the steps before it.
+    compared = min(next((i for i, gap in enumerate(gaps) if gap < NEAR_TIE), len(gaps)), len(theirs))
     agree = next((i for i in range(compared) if i >= len(ours) or ours[i] != theirs[i]), compared)
     return compared, agree
 

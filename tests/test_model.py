@@ -104,4 +104,6 @@ def test_smollm2_cached_decode(smollm2):
     full = np.asarray(linnet_jax.logits(smollm2, ids))
     diff = float(np.abs(cached_logits(smollm2, ids, prefill=256, max_len=288) - full).max())
     record_parity("SmolLM2: prefill 256 + 16 decode steps vs full forward", diff)
-    assert diff < 1e-4
+    # Float32 summation order (cache of 288 slots vs 272 keys) at logits up to ~35: measured 6.5e-5 to 1.5e-4
+    # over seeds, i.e. 20-40 ulps; a real cache bug (a wrong slot, mask or position) gives differences of ~1.
+    assert diff < 2e-4

@@ -1,0 +1,8 @@
+"""Exports of a loaded Model: a Hugging Face checkpoint directory, a GGUF file, StableHLO and JAX source."""
+
+from linnet_jax.export._gguf import gguf
+from linnet_jax.export._hf import hf
+from linnet_jax.export._jax_source import jax_source
+from linnet_jax.export._stablehlo import stablehlo
+
+__all__ = ["gguf", "hf", "jax_source", "stablehlo"]

@@ -1,0 +1,132 @@
+"""`export.stablehlo`: the model as serialized `jax.export` programs, StableHLO text and a weights file.
+
+The programs are `models.forward` itself, wrapped so that their arguments are plain containers and
+a loader needs jax (with flatbuffers), numpy and safetensors, not linnet_jax:
+
+    weights  {name: array}, the names of `models.params.flatten_params` ("embed", "layers.wq", ...)
+    cache    {"k", "v", "positions", "lengths"}, as `init_cache` makes them (manifest: shape, dtype, fill)
+    prefill_T{T}: (weights, tokens [B, T] int32, positions [B, T] int32, cache) -> (logits [B, V] float32, cache)
+             one per prompt bucket T; left padding has position -1; logits are the last position's
+    decode:  (weights, token [B] int32, position [B] int32, cache) -> (logits [B, V] float32, cache)
+
+The cache argument is donated. Weights are arguments, never constants, so each program is small.
+"""
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import save_file
+from tqdm import tqdm  # the text bar: tqdm.auto needs ipywidgets in notebooks
+
+from linnet_jax.export._common import generation_config, prepare_target, write_json, write_model_files
+from linnet_jax.generate import bucket
+from linnet_jax.models import Config, KVCache, Params, forward, init_cache
+from linnet_jax.models.params import flatten_params, unflatten_params
+
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.safetensors"
+
+
+def stablehlo(model, out_dir, *, batch: int = 1, max_len: int = 1024, platforms=None, overwrite: bool = False,
+              progress: bool = True) -> Path:
+    """Export `model` as jax.export artifacts in the directory out_dir; returns its path.
+
+    Writes prefill_T{T}.bin / .mlir for every prompt bucket T (powers of two from 16 below max_len),
+    decode.bin / .mlir, weights.safetensors, manifest.json, and the config and tokenizer files.
+    batch, max_len: the rows and cache slots the programs are compiled for.
+    platforms: jax.export platforms, e.g. ("cpu", "cuda"); None: the default backend.
+    overwrite: an existing non-empty out_dir is a FileExistsError unless True.
+    """
+    config = model.config
+    buckets = prompt_buckets(config, batch, max_len)
+    target = prepare_target(out_dir, overwrite)
+    target.mkdir(exist_ok=True)
+    weights = save_weights(model.params, target / WEIGHTS)
+    cache = jax.eval_shape(lambda: cache_dict(init_cache(config, batch, max_len, model.params.embed.dtype)))
+    programs = {f"prefill_T{t}": ((batch, t), last_logits) for t in buckets} | {"decode": ((batch,), decode_step)}
+    for name, (token_shape, function) in tqdm(programs.items(), desc=f"Exporting {target.name}", unit="program",
+                                              disable=not progress):
+        ids = jax.ShapeDtypeStruct(token_shape, jnp.int32)  # the tokens' and the positions' shape
+        program = jax.jit(functools.partial(function, config), donate_argnums=3)
+        exported = jax.export.export(program, platforms=platforms)(spec_of(weights), ids, ids, cache)
+        (target / f"{name}.bin").write_bytes(exported.serialize())
+        (target / f"{name}.mlir").write_text(exported.mlir_module())
+    write_model_files(target, config, model.tokenizer)
+    write_json(target / MANIFEST, manifest(model, weights, cache, buckets, exported.platforms))
+    return target
+
+
+def prompt_buckets(config: Config, batch: int, max_len: int) -> list[int]:
+    """The prefill lengths: generate's buckets (powers of two from 16) below max_len, after checking the sizes."""
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    if not isinstance(max_len, int) or not bucket(1) < max_len <= config.max_position_embeddings:
+        raise ValueError(f"max_len must be an int in ({bucket(1)}, {config.max_position_embeddings}] (more than the "
+                         f"smallest prompt bucket, at most the model's context), got {max_len!r}")
+    buckets = [bucket(1)]
+    while buckets[-1] * 2 < max_len:
+        buckets.append(buckets[-1] * 2)
+    return buckets
+
+
+def save_weights(params: Params, path: Path) -> dict[str, np.ndarray]:
+    """Write the params as one safetensors file of flat names; returns them, {name: numpy array}."""
+    weights = {name: np.asarray(array) for name, array in flatten_params(params).items()}
+    save_file(weights, path)
+    return weights
+
+
+def spec_of(arrays: dict) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes and dtypes only, for tracing."""
+    return {name: jax.ShapeDtypeStruct(array.shape, array.dtype) for name, array in arrays.items()}
+
+
+def cache_dict(cache: KVCache) -> dict[str, jax.Array]:
+    """The cache as a plain dict of its fields."""
+    return {field.name: getattr(cache, field.name) for field in dataclasses.fields(cache)}
+
+
+def last_logits(config: Config, weights: dict, tokens: jax.Array, positions: jax.Array,
+                cache: dict) -> tuple[jax.Array, dict]:
+    """forward over tokens [B, T] in plain containers: (float32 logits [B, V] at position T - 1, cache dict)."""
+    logits_at = jnp.full((tokens.shape[0],), tokens.shape[1] - 1, jnp.int32)
+    logits, new_cache = forward(unflatten_params(weights), config, tokens, positions, KVCache(**cache), logits_at)
+    return logits[:, 0], cache_dict(new_cache)
+
+
+def decode_step(config: Config, weights: dict, token: jax.Array, position: jax.Array,
+                cache: dict) -> tuple[jax.Array, dict]:
+    """One token per row: token, position [B] → (float32 logits [B, V], cache dict)."""
+    return last_logits(config, weights, token[:, None], position[:, None], cache)
+
+
+def manifest(model, weights: dict[str, np.ndarray], cache: dict[str, jax.ShapeDtypeStruct], buckets: list[int],
+             platforms) -> dict:
+    """What a loader needs: the files, the weights in order, the cache, sizes, config and special ids."""
+    batch, max_len = cache["positions"].shape
+    return {
+        "format": "linnet_jax.stablehlo",
+        "jax_version": jax.__version__,
+        "platforms": list(platforms),
+        "batch": batch,
+        "max_len": max_len,
+        "buckets": buckets,
+        "prefill": {str(t): {"serialized": f"prefill_T{t}.bin", "mlir": f"prefill_T{t}.mlir"} for t in buckets},
+        "decode": {"serialized": "decode.bin", "mlir": "decode.mlir"},
+        "weights": {"file": WEIGHTS, "tensors": [
+            {"name": name, "shape": list(array.shape), "dtype": str(array.dtype)} for name, array in weights.items()]},
+        "cache": cache_manifest(model.config, cache),
+        "config": model.config.to_hf(),
+        "generation_config": generation_config(model.config, model.tokenizer),
+    }
+
+
+def cache_manifest(config: Config, cache: dict[str, jax.ShapeDtypeStruct]) -> dict[str, dict]:
+    """Each cache array's shape, dtype and the value init_cache fills it with (a loader makes it with numpy)."""
+    one_slot = cache_dict(init_cache(config, 1, 1, cache["k"].dtype))
+    return {name: {"shape": list(spec.shape), "dtype": str(spec.dtype),
+                   "fill": np.asarray(one_slot[name]).flat[0].item()} for name, spec in cache.items()}
