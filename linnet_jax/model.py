@@ -9,24 +9,29 @@ import jax.numpy as jnp
 import numpy as np
 
 from linnet_jax.models import Config, Params, forward
+from linnet_jax.sharding import put
 
 if TYPE_CHECKING:
+    from linnet_jax.sharding import Layout
     from linnet_jax.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """What `load` returns: `.config` (static), `.params` (a pytree of arrays), `.tokenizer` (or None)."""
+    """What `load` returns: `.config` (static), `.params` (a pytree of arrays), `.tokenizer` (or None),
+    `.layout` (the mesh and sharding rules the params are placed by, or None on one device)."""
 
     config: Config
     params: Params
     tokenizer: "Tokenizer | None" = None
+    layout: "Layout | None" = None
 
     def __repr__(self) -> str:
         c = self.config
+        placed = "" if self.layout is None else f", mesh={dict(self.layout.mesh.shape)}"
         return (
             f"Model({c.architecture}, layers={c.num_layers}, heads={c.num_heads}/{c.num_kv_heads} kv, "
-            f"hidden={c.hidden_size}, vocab={c.vocab_size}, params={_human(c.num_params())}, dtype={c.dtype})"
+            f"hidden={c.hidden_size}, vocab={c.vocab_size}, params={_human(c.num_params())}, dtype={c.dtype}{placed})"
         )
 
 
@@ -37,9 +42,17 @@ def _human(n: int) -> str:
     return str(n)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _full_forward(params: Params, config: Config, tokens: jax.Array, positions: jax.Array) -> jax.Array:
-    return forward(params, config, tokens, positions)[0]
+@functools.partial(jax.jit, static_argnums=(1, 4))
+def _full_forward(params: Params, config: Config, tokens: jax.Array, positions: jax.Array,
+                  layout: "Layout | None") -> jax.Array:
+    return forward(params, config, tokens, positions, constrain=layout and layout.constrain)[0]
+
+
+def on_device(model: Model, arrays: dict[str, np.ndarray], axes: tuple[str, ...]) -> dict[str, jax.Array]:
+    """Host inputs of the model's programs on its device or, sharded, on its mesh by their logical axes."""
+    if model.layout is None:
+        return {name: jnp.asarray(array) for name, array in arrays.items()}
+    return {name: put(array, model.layout.sharding(name, axes, array.shape)) for name, array in arrays.items()}
 
 
 def as_token_batch(token_ids, vocab_size: int, name: str = "token_ids") -> np.ndarray:
@@ -74,4 +87,5 @@ def logits(model: Model, token_ids, attention_mask=None) -> jax.Array:
         mask = mask[None]
     if mask.shape != ids.shape:
         raise ValueError(f"attention_mask has shape {mask.shape}, expected the shape of token_ids {ids.shape}")
-    return _full_forward(model.params, model.config, jnp.asarray(ids), jnp.asarray(positions_from_mask(mask)))
+    inputs = on_device(model, {"token_ids": ids, "positions": positions_from_mask(mask)}, ("batch", "seq"))
+    return _full_forward(model.params, model.config, inputs["token_ids"], inputs["positions"], model.layout)

@@ -17,6 +17,8 @@ tokens go to its next T slots, whatever their positions: masks come from the sto
 so left- or right-padded rows and rows at different lengths share one program.
 """
 
+from collections.abc import Callable
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -163,21 +165,27 @@ def forward(
     positions: jax.Array,
     cache: KVCache | None = None,
     logits_at: jax.Array | None = None,
+    constrain: Callable[[jax.Array, tuple[str, ...]], jax.Array] | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Logits of the next token at each new position, and the updated cache.
 
     tokens, positions: [B, T] int; a negative position marks padding, never attended to. With a
     cache, the tokens go to each row's next T slots, which the caller makes sure exist
     (`dynamic_update_slice` would clamp). logits_at: optional [B] indices into T; then only
-    those positions' logits are computed ([B, 1, V]).
+    those positions' logits are computed ([B, 1, V]). constrain(array, logical axes): applied to
+    the activations at every block boundary and to the logits (sharding constraints,
+    `linnet_jax.sharding.Layout.constrain`); None for none.
     Returns (float32 logits [B, T, V] or [B, 1, V], cache).
     """
-    x = jnp.take(params.embed, tokens, axis=0)
+    constrain = constrain or (lambda array, axes: array)
+    activation = ("batch", "seq", "embed")  # the logical axes of x
+    x = constrain(jnp.take(params.embed, tokens, axis=0), activation)
     if cache is not None:
         cache = append_positions(cache, positions)
     if isinstance(params.layers, tuple):
         for layer, lp in enumerate(params.layers):
             x, cache = decoder_layer(x, lp, config, positions, config.layer_windows[layer], layer, cache)
+            x = constrain(x, activation)
     else:
         if cache is not None and isinstance(cache.k, tuple):
             raise ValueError("an unstacked cache (unstack_cache) needs unstacked params (unstack_layers)")
@@ -185,7 +193,8 @@ def forward(
         def body(carry, layer_inputs):
             x, cache = carry
             lp, window, layer = layer_inputs
-            return decoder_layer(x, lp, config, positions, window, layer, cache), None
+            x, cache = decoder_layer(x, lp, config, positions, window, layer, cache)
+            return (constrain(x, activation), cache), None
 
         windows = jnp.asarray(config.layer_windows, jnp.int32)
         layer_ids = jnp.arange(config.num_layers)
@@ -194,4 +203,5 @@ def forward(
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
     head = params.embed if params.lm_head is None else params.lm_head
-    return jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32), cache
+    logits = jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "seq", "vocab")), cache

@@ -2,7 +2,9 @@
 
 Axis names used in shapes: V vocab, D model width, L layers, H query heads, G key/value heads,
 K head dim, F MLP width. Projections are stored input-first ([D, H, K], [D, F], ...), so
-every einsum contracts the leading axis; transformers stores them [out, in].
+every einsum contracts the leading axis; transformers stores them [out, in]. The same axes by
+their logical names, which sharding rules map to mesh axes (`param_axes`): vocab, embed,
+layers, heads, kv_heads, head_dim, mlp.
 
 `param_shapes(config)` is the one description of the tree: loading, checking and
 converting to and from Hugging Face names all read it.
@@ -69,6 +71,16 @@ LAYER_TENSORS: dict[str, tuple[str, int | None]] = {
 }
 TOP_TENSORS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
 
+# The logical axes of each weight (a layer's without its leading "layers" axis).
+LAYER_AXES: dict[str, tuple[str, ...]] = {
+    "attn_norm": ("embed",), "wq": ("embed", "heads", "head_dim"), "wk": ("embed", "kv_heads", "head_dim"),
+    "wv": ("embed", "kv_heads", "head_dim"), "wo": ("heads", "head_dim", "embed"), "bq": ("heads", "head_dim"),
+    "bk": ("kv_heads", "head_dim"), "bv": ("kv_heads", "head_dim"), "bo": ("embed",), "q_norm": ("head_dim",),
+    "k_norm": ("head_dim",), "mlp_norm": ("embed",), "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"),
+    "w_down": ("mlp", "embed"),
+}
+TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("vocab", "embed")}
+
 
 def layer_shapes(config: Config) -> dict[str, tuple[int, ...]]:
     """The shape of one layer's tensors (no layer axis), only the ones this config has."""
@@ -94,6 +106,13 @@ def param_shapes(config: Config) -> Params:
         top["lm_head"] = (config.vocab_size, config.hidden_size)
     layers = {name: (config.num_layers, *shape) for name, shape in layer_shapes(config).items()}
     return Params(layers=LayerParams(**layers), **top)
+
+
+def param_axes(config: Config) -> dict[str, tuple[str, ...]]:
+    """The logical axes of every weight this config has, by flat name (`flatten_params`'s names)."""
+    names = flatten_params(param_shapes(config))
+    return {name: ("layers", *LAYER_AXES[name.removeprefix("layers.")]) if name.startswith("layers.") else TOP_AXES[name]
+            for name in names}
 
 
 def hf_tensor_names(config: Config) -> list[str]:
@@ -131,20 +150,21 @@ def to_hf_layer_tensor(tensor: np.ndarray, input_axes: int | None) -> np.ndarray
 def params_from_hf(
     read: Callable[[str], np.ndarray],
     config: Config,
-    convert: Callable[[np.ndarray], jax.Array],
+    convert: Callable[[str, np.ndarray], jax.Array],
     on_tensor: Callable[[str], None] = lambda name: None,
 ) -> Params:
     """Build Params from transformers-named tensors.
 
-    read(name) returns one tensor (raising a clear error when absent); convert turns each of our
-    stacked numpy arrays into a device array (dtype cast, placement); on_tensor reports progress.
+    read(name) returns one tensor (raising a clear error when absent); convert(our flat name,
+    array) turns each of our stacked numpy arrays into a device array (dtype cast, placement);
+    on_tensor reports progress.
     """
 
     def top(field: str) -> jax.Array:
         shape = getattr(param_shapes(config), field)
         name = TOP_TENSORS[field]
         on_tensor(name)
-        return convert(checked(name, read(name), shape))
+        return convert(field, checked(name, read(name), shape))
 
     def layer(field: str, shape: tuple[int, ...]) -> jax.Array:
         suffix, input_axes = LAYER_TENSORS[field]
@@ -153,7 +173,7 @@ def params_from_hf(
             name = f"model.layers.{i}.{suffix}"
             on_tensor(name)
             stacked.append(from_hf_layer_tensor(name, read(name), shape, input_axes))
-        return convert(np.stack(stacked))
+        return convert(f"layers.{field}", np.stack(stacked))
 
     layers = LayerParams(**{field: layer(field, shape) for field, shape in layer_shapes(config).items()})
     lm_head = None if config.tie_word_embeddings else top("lm_head")

@@ -4,6 +4,7 @@ must equal linnet_jax.generate, logits linnet_jax.logits; each reports its dista
 
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import record_parity, reference_logits
+import transformers
+from conftest import TINY, randomize, record_parity, reference_logits
 from safetensors.numpy import load_file
 
 import linnet_jax
@@ -23,7 +25,7 @@ from linnet_jax.models.params import flatten_params
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKED = 'import sys\nsys.modules["linnet_jax"] = None\nsys.modules["flax"] = None\n'
-STANDALONE_IMPORTS = {"dataclasses", "functools", "math", "pathlib", "jax", "numpy", "safetensors"}
+STANDALONE_IMPORTS = {"collections", "dataclasses", "functools", "math", "pathlib", "jax", "numpy", "safetensors"}
 TINY_PROMPT = [int(i) for i in np.random.default_rng(0).integers(3, 256, 20)]  # bucket 32
 TINY_NEW = 12
 SMOLLM2_NEW = 16
@@ -35,21 +37,32 @@ def readme_loader() -> str:
     return next(block for block in blocks if "jax.export.deserialize" in block)
 
 
-def run_standalone(script: str, directory: Path) -> tuple[list[int], np.ndarray]:
+def eight_devices() -> dict[str, str]:
+    """A child's environment with 8 fake CPU devices (this process keeps its one)."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+    return os.environ | {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+
+
+def run_python(script: str, directory: Path, env: dict[str, str] | None = None) -> None:
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                            cwd=directory, env=env)
+    assert result.returncode == 0, result.stderr[-6000:]
+
+
+def run_standalone(script: str, directory: Path, env: dict[str, str] | None = None) -> tuple[list[int], np.ndarray]:
     """Run script in a fresh python where importing linnet_jax or flax fails. The script leaves the new ids
     in ids.json and their logits [N, V] in logits.npy, in directory."""
-    result = subprocess.run([sys.executable, "-c", BLOCKED + script], capture_output=True, text=True, timeout=600,
-                            cwd=directory)
-    assert result.returncode == 0, result.stderr
+    run_python(BLOCKED + script, directory, env)
     return json.loads((directory / "ids.json").read_text()), np.load(directory / "logits.npy")
 
 
-def stablehlo_run(out: Path, ids: list[int], new: int) -> tuple[list[int], np.ndarray]:
+def stablehlo_run(out: Path, ids: list[int], new: int,
+                  env: dict[str, str] | None = None) -> tuple[list[int], np.ndarray]:
     return run_standalone(readme_loader() + f"""
 new, logits = greedy({str(out)!r}, {ids}, {new})
 Path("ids.json").write_text(json.dumps(new))
 np.save("logits.npy", logits)
-""", out)
+""", out, env)
 
 
 def jax_source_run(out: Path, ids: list[int], new: int) -> tuple[list[int], np.ndarray]:
@@ -93,6 +106,7 @@ def test_stablehlo_tiny_runs_standalone(tiny_dir, tmp_path):
     assert [(t["name"], tuple(t["shape"])) for t in manifest["weights"]["tensors"]] == [
         (name, w.shape) for name, w in flatten_params(model.params).items()]
     assert manifest["cache"]["positions"] == {"shape": [1, 64], "dtype": "int32", "fill": -1}
+    assert "mesh" not in manifest and "spec" not in manifest["weights"]["tensors"][0]  # unsharded: no mesh
     for name in ("prefill_T16", "prefill_T32", "decode"):
         text = (out / f"{name}.mlir").read_text()
         assert "func.func public @main" in text and "stablehlo.dot_general" in text
@@ -125,6 +139,66 @@ def test_stablehlo_batch_of_two_different_prompts(tiny_dir, tmp_path):
         full = np.asarray(linnet_jax.logits(model, [prompt + [int(step[row])]]))[0]
         assert np.abs(np.asarray(logits[row]) - full[-2]).max() < 1e-5
         assert np.abs(np.asarray(decoded[row]) - full[-1]).max() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def shardable_dir(tmp_path_factory) -> Path:
+    """A random llama whose 8 query and 4 kv heads, MLP and vocab divide a tensor axis of 4."""
+    config = transformers.LlamaConfig(**TINY | dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                                                    intermediate_size=128))
+    directory = tmp_path_factory.mktemp("shardable")
+    randomize(transformers.AutoModelForCausalLM.from_config(config), seed=3).save_pretrained(directory)
+    return directory
+
+
+def test_stablehlo_sharded_export_reloads_on_a_mesh(shardable_dir, tmp_path):
+    """Loaded on mesh(data=2, tensor=4) in an 8-device child and exported; the artifacts carry their shardings
+    and, in another 8-device child that cannot import linnet_jax, the README's loader rebuilds the mesh from
+    the manifest and gives the greedy ids of generate on the sharded and on the unsharded model."""
+    out = tmp_path / "hlo"
+    run_python(f"""
+import json
+import jax
+import linnet_jax
+from linnet_jax import export, sharding
+
+assert jax.device_count() == 8
+model = linnet_jax.load({str(shardable_dir)!r}, mesh=sharding.mesh(data=2, tensor=4), progress=False)
+export.stablehlo(model, {str(out)!r}, batch=2, max_len=64, progress=False)
+ids = linnet_jax.generate(model, tokens=[{TINY_PROMPT}] * 2, max_new_tokens={TINY_NEW}, ignore_eos=True)
+open("sharded_ids.json", "w").write(json.dumps(ids))
+""", tmp_path, eight_devices())
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["mesh"] == {"axis_names": ["data", "fsdp", "tensor"], "axis_sizes": [2, 1, 4]}
+    specs = {t["name"]: t["spec"] for t in manifest["weights"]["tensors"]}
+    assert specs["layers.wq"] == [None, None, "tensor", None] and specs["final_norm"] == [None]
+    assert manifest["cache"]["k"]["spec"] == [None, ["data", "fsdp", "tensor"], None, None]
+    assert manifest["cache"]["positions"]["spec"] == [["data", "fsdp"], None]
+    assert manifest["prefill"]["32"]["specs"] == {"tokens": [["data", "fsdp"], None],
+                                                  "positions": [["data", "fsdp"], None],
+                                                  "logits": [["data", "fsdp"], "tensor"]}
+    assert manifest["decode"]["specs"]["tokens"] == [["data", "fsdp"]]
+    for name in ("prefill_T16", "prefill_T32", "decode"):
+        text = (out / f"{name}.mlir").read_text()
+        # JAX 0.10 lowers through Shardy: the shardings are sdy.sharding attributes over an sdy.mesh
+        assert 'sdy.mesh @mesh = <["data"=2, "fsdp"=1, "tensor"=4]>' in text and "mhlo.num_partitions = 8" in text
+        t = "" if name == "decode" else f"x{name.removeprefix('prefill_T')}"  # decode's tokens are [B]
+        batch_split = '{"data", "fsdp"}' + (", {}" if t else "")
+        for argument, shape, dims in (("weights['layers.wq']", "2x64x8x8xf32", '{}, {}, {"tensor"}, {}'),
+                                      ("weights['final_norm']", "64xf32", "{}"),
+                                      ("cache['v']", "2x8x8x64xf32", '{}, {"data", "fsdp", "tensor"}, {}, {}'),
+                                      ("tokens" if t else "token", f"2{t}xi32", batch_split)):
+            pattern = (re.escape(f"tensor<{shape}> {{sdy.sharding = #sdy.sharding<@mesh, [{dims}]>") +
+                       r"[^}]*\} " + re.escape(f'loc("{argument}")'))
+            assert re.search(pattern, text), (name, argument)
+        assert text.count("sdy.sharding_constraint") >= 3  # forward's: the embedding, each block (a scan), logits
+        assert jax.export.deserialize((out / f"{name}.bin").read_bytes()).nr_devices == 8
+
+    new_ids, logits = stablehlo_run(out, TINY_PROMPT, TINY_NEW, eight_devices())
+    assert [new_ids] * 2 == json.loads((tmp_path / "sharded_ids.json").read_text())
+    model = linnet_jax.load(shardable_dir, progress=False)  # unsharded, on this process's one device
+    assert check_run(model, TINY_PROMPT, new_ids, logits, TINY_NEW) < 1e-5
 
 
 def test_jax_source_tiny_runs_standalone(tiny_dir, tmp_path):

@@ -1,20 +1,24 @@
 """linnet_jax.gguf: write/read round trips on tiny random models, the real SmolLM2 file against
-transformers' GGUF loader, and the error messages."""
+transformers' GGUF loader, llama.cpp's K-quants against gguf.quants, and the error messages."""
 
 import gguf
+import llama_cpp
 import numpy as np
 import pytest
+from conftest import record_parity
 
+import linnet_jax
 from linnet_jax.gguf import read_gguf, write_gguf
+from linnet_jax.models import params_to_hf
 
 TENSOR_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
 
 
-def tiny_model(arch: str, seed: int = 0) -> tuple[dict, dict[str, np.ndarray]]:
+def tiny_model(arch: str, seed: int = 0, *, hidden: int = 64, heads: int = 4, kv_heads: int = 2, inter: int = 96,
+               vocab: int = 128, layers: int = 2) -> tuple[dict, dict[str, np.ndarray]]:
     """A random transformers-named state dict and config: llama (untied head), qwen2 (q/k/v biases, tied),
-    qwen3 (q/k norms, head_dim 32 != hidden/heads)."""
+    qwen3 (q/k norms, head_dim 32 != hidden/heads). Every value is standard normal."""
     rng = np.random.default_rng(seed)
-    hidden, heads, kv_heads, inter, vocab, layers = 64, 4, 2, 96, 128, 2
     head_dim = 32 if arch == "qwen3" else hidden // heads
     config = {
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -55,6 +59,13 @@ def tiny_model(arch: str, seed: int = 0) -> tuple[dict, dict[str, np.ndarray]]:
     return config, state
 
 
+def interleaved(n_heads: int, head_dim: int) -> list[int]:
+    """The transformers row stored at each GGUF row of a llama q/k projection: llama.cpp interleaves each
+    head's half-split rows (r0..r7, i0..i7) as r0 i0 r1 i1 .."""
+    return [h * head_dim + half * head_dim // 2 + pair
+            for h in range(n_heads) for pair in range(head_dim // 2) for half in (0, 1)]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("tensor_type", TENSOR_TYPES)
 def test_round_trip(tmp_path, arch, tensor_type):
@@ -88,13 +99,9 @@ def test_llama_qk_rows_are_interleaved_in_the_file(tmp_path):
     state["model.layers.0.self_attn.q_proj.weight"], state["model.layers.0.self_attn.k_proj.weight"] = q, k
     path = write_gguf(tmp_path / "m.gguf", config, state, progress=False)
 
-    def interleaved(n_heads):  # the HF row stored at each GGUF row
-        return [h * head_dim + half * head_dim // 2 + pair
-                for h in range(n_heads) for pair in range(head_dim // 2) for half in (0, 1)]
-
     stored = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(path).tensors}
-    assert stored["blk.0.attn_q.weight"][:, 0].tolist() == interleaved(heads)
-    assert stored["blk.0.attn_k.weight"][:, 0].tolist() == interleaved(kv_heads)
+    assert stored["blk.0.attn_q.weight"][:, 0].tolist() == interleaved(heads, head_dim)
+    assert stored["blk.0.attn_k.weight"][:, 0].tolist() == interleaved(kv_heads, head_dim)
     np.testing.assert_array_equal(stored["blk.0.attn_v.weight"], state["model.layers.0.self_attn.v_proj.weight"])
     _, state2, _ = read_gguf(path, progress=False)
     np.testing.assert_array_equal(state2["model.layers.0.self_attn.q_proj.weight"], q)
@@ -129,6 +136,102 @@ def test_smollm2_weights_match_transformers(smollm2_contents, smollm2_reference)
                  "model.layers.0.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight",
                  "model.embed_tokens.weight", "model.norm.weight"]:
         np.testing.assert_allclose(state[name], reference[name].numpy(), rtol=0, atol=1e-6, err_msg=name)
+
+
+# ---- llama.cpp's K-quants ----
+
+# target quant type -> the llama.cpp file type that makes it (its "_S" mixes keep the most tensors at the target).
+K_QUANTS = {"Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S", "Q6_K": "Q6_K"}
+# Measured on K_QUANT_SIZES, 32 random tokens (float32 logits of std 1.0, largest 4.9). Relative RMS error of
+# the dequantized matrices against the float32 ones (the same for every matrix of a type): Q4_K 0.072, Q5_K
+# 0.036, Q6_K 0.018 (Q4_K_S keeps attn_v as Q5_K, both mixes keep output as Q6_K). Largest |logit - logit of
+# the float32 GGUF|: Q4_K_S 1.43, Q5_K_S 0.91, Q6_K 0.45 (RMS 0.28, 0.16, 0.087): this random net amplifies
+# weight error about 4x, as much as Gaussian noise of the same relative RMS does (1.49, 0.76, 0.35). Bounds
+# about 1.4x the weight errors (they barely vary with the seed) and 2x the logit differences.
+K_QUANT_WEIGHT_BOUNDS = {"Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.025}
+K_QUANT_LOGIT_BOUNDS = {"Q4_K": 3.0, "Q5_K": 2.0, "Q6_K": 1.0}
+# K-quants take rows in blocks of 256 values (QK_K): every row length here is a multiple of it.
+K_QUANT_SIZES = dict(hidden=256, heads=4, kv_heads=2, inter=512, vocab=1024, layers=2)
+# GGUF name (layer index as N) -> transformers name, written out here apart from linnet_jax.gguf's table.
+LLAMA_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "blk.N.attn_norm": "model.layers.N.input_layernorm", "blk.N.ffn_norm": "model.layers.N.post_attention_layernorm",
+    "blk.N.attn_q": "model.layers.N.self_attn.q_proj", "blk.N.attn_k": "model.layers.N.self_attn.k_proj",
+    "blk.N.attn_v": "model.layers.N.self_attn.v_proj", "blk.N.attn_output": "model.layers.N.self_attn.o_proj",
+    "blk.N.ffn_gate": "model.layers.N.mlp.gate_proj", "blk.N.ffn_up": "model.layers.N.mlp.up_proj",
+    "blk.N.ffn_down": "model.layers.N.mlp.down_proj",
+}
+
+
+@pytest.fixture(scope="module")
+def k_quant_source(tmp_path_factory):
+    """A random llama (GQA, untied head, linear rope scaling) as a float32 GGUF: (path, state, ids, logits)."""
+    config, state = tiny_model("llama", **K_QUANT_SIZES)
+    # weights of std 1/sqrt(fan in) and norms around 1, so that activations and logits stay of order 1
+    state = {name: w / np.sqrt(w.shape[1]) if w.ndim == 2 else 1 + 0.2 * w for name, w in state.items()}
+    path = write_gguf(tmp_path_factory.mktemp("k_quants") / "f32.gguf", config, state, progress=False)
+    ids = np.random.default_rng(1).integers(0, config["vocab_size"], 32)
+    return path, state, ids, np.asarray(linnet_jax.logits(linnet_jax.load(path, progress=False), ids))
+
+
+def llama_cpp_quantize(source, target, file_type: str):
+    """`source` quantized by llama.cpp's own quantizer to `file_type` (a LLAMA_FTYPE_MOSTLY_* suffix)."""
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type}"), 1
+    assert llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params) == 0
+    return target
+
+
+def reference_llama_state(path, heads: int, kv_heads: int) -> dict[str, np.ndarray]:
+    """Every tensor of a llama GGUF dequantized by gguf.quants, in transformers' names, shapes and q/k row order."""
+    state = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        base, _, kind = tensor.name.rpartition(".")
+        parts = base.split(".")  # ["token_embd"] or ["blk", layer, "attn_q"]
+        name = LLAMA_GGUF_NAMES[base] if len(parts) == 1 else \
+            LLAMA_GGUF_NAMES[f"blk.N.{parts[2]}"].replace(".N.", f".{parts[1]}.")
+        name += "." + kind
+        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape([int(d) for d in reversed(tensor.shape)])
+        n = heads if name.endswith("q_proj.weight") else kv_heads if name.endswith("k_proj.weight") else None
+        if n is not None:  # GGUF row j holds transformers row interleaved(..)[j]
+            unpermuted = np.empty_like(w)
+            unpermuted[interleaved(n, w.shape[0] // n)] = w
+            w = unpermuted
+        state[name] = w
+    return state
+
+
+@pytest.mark.parametrize("qtype", list(K_QUANTS))
+def test_llama_cpp_k_quants_load_as_gguf_dequantizes_them(k_quant_source, tmp_path, qtype):
+    """A float32 GGUF quantized by llama.cpp to Q4_K / Q5_K / Q6_K: linnet_jax.load's weights equal gguf.quants'
+    dequantization of the file exactly (both are float32 products of the same block scales, computed the same
+    way), and its logits stay within a measured bound of the float32 model's."""
+    source, state, ids, f32_logits = k_quant_source
+    path = llama_cpp_quantize(source, tmp_path / f"{K_QUANTS[qtype]}.gguf", K_QUANTS[qtype])
+
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    matrix_types = [types[name] for name in types if not name.endswith("norm.weight")]
+    counts = {name: matrix_types.count(name) for name in sorted(set(matrix_types))}
+    print(f"{K_QUANTS[qtype]}: matrices {counts}")
+    assert set(matrix_types) <= {"Q4_K", "Q5_K", "Q6_K"}, counts
+    assert counts.get(qtype, 0) >= len(matrix_types) - 3, counts  # at most attn_v x2 and output differ
+
+    reference = reference_llama_state(path, K_QUANT_SIZES["heads"], K_QUANT_SIZES["kv_heads"])
+    assert set(reference) == set(state)
+    for name, w in reference.items():  # the quantization really happened, and is as lossy as expected
+        relative = np.sqrt(np.mean((w - state[name]) ** 2) / np.mean(state[name] ** 2))
+        assert (relative == 0) == (w.ndim == 1) and relative < K_QUANT_WEIGHT_BOUNDS[qtype], (name, relative)
+
+    model = linnet_jax.load(path, progress=False)
+    assert model.config.dtype == "float32"
+    loaded = params_to_hf(model.params, model.config)
+    assert set(loaded) == set(reference)
+    for name, w in reference.items():
+        np.testing.assert_array_equal(loaded[name], w, err_msg=name)
+
+    diff = float(np.abs(np.asarray(linnet_jax.logits(model, ids)) - f32_logits).max())
+    record_parity(f"llama.cpp {K_QUANTS[qtype]} of a tiny llama loaded by linnet_jax (vs its f32 GGUF)", diff)
+    assert diff <= K_QUANT_LOGIT_BOUNDS[qtype]
 
 
 # ---- errors ----

@@ -42,6 +42,7 @@ IMPORTS = """\
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import jax

@@ -10,6 +10,14 @@ a loader needs jax (with flatbuffers), numpy and safetensors, not linnet_jax:
     decode:  (weights, token [B] int32, position [B] int32, cache) -> (logits [B, V] float32, cache)
 
 The cache argument is donated. Weights are arguments, never constants, so each program is small.
+
+A sharded model (`model.layout` set) exports programs for its mesh: every argument and result
+carries its sharding (`sdy.sharding` in the .mlir, Shardy's form), the activations the layout's
+constraints, and `nr_devices` is the mesh's size. The manifest then records the mesh (`"mesh"`:
+axis names and sizes) and each argument's PartitionSpec as a JSON list (`"spec"` of every weight
+and cache field; `"specs"` of each program's tokens, positions and logits), so that a loader can
+rebuild a mesh of the same shape with `jax.make_mesh` and place each array with
+`NamedSharding(mesh, PartitionSpec(*spec))`.
 """
 
 import dataclasses
@@ -26,6 +34,7 @@ from linnet_jax.export._common import generation_config, prepare_target, write_j
 from linnet_jax.generate import bucket
 from linnet_jax.models import Config, KVCache, Params, forward, init_cache
 from linnet_jax.models.params import flatten_params, unflatten_params
+from linnet_jax.sharding import Layout, host
 
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
@@ -40,6 +49,8 @@ def stablehlo(model, out_dir, *, batch: int = 1, max_len: int = 1024, platforms=
     batch, max_len: the rows and cache slots the programs are compiled for.
     platforms: jax.export platforms, e.g. ("cpu", "cuda"); None: the default backend.
     overwrite: an existing non-empty out_dir is a FileExistsError unless True.
+    A sharded model (`linnet_jax.load(..., mesh=...)`, `linnet_jax.shard`) exports programs for its mesh,
+    with every argument's sharding, and records the mesh and PartitionSpecs in the manifest.
     """
     config = model.config
     buckets = prompt_buckets(config, batch, max_len)
@@ -48,16 +59,77 @@ def stablehlo(model, out_dir, *, batch: int = 1, max_len: int = 1024, platforms=
     weights = save_weights(model.params, target / WEIGHTS)
     cache = jax.eval_shape(lambda: cache_dict(init_cache(config, batch, max_len, model.params.embed.dtype)))
     programs = {f"prefill_T{t}": ((batch, t), last_logits) for t in buckets} | {"decode": ((batch,), decode_step)}
+    layout = model.layout
+    placed = None if layout is None else Placement.of(layout, config, batch, max_len)
+    specs = {}
     for name, (token_shape, function) in tqdm(programs.items(), desc=f"Exporting {target.name}", unit="program",
                                               disable=not progress):
         ids = jax.ShapeDtypeStruct(token_shape, jnp.int32)  # the tokens' and the positions' shape
-        program = jax.jit(functools.partial(function, config), donate_argnums=3)
-        exported = jax.export.export(program, platforms=platforms)(spec_of(weights), ids, ids, cache)
+        if layout is None:
+            program = jax.jit(functools.partial(function, config), donate_argnums=3)
+            args = (spec_of(weights), ids, ids, cache)
+        else:
+            ids_sharding, logits_sharding = placed.ids(token_shape), placed.logits(batch, config.vocab_size)
+            program = jax.jit(functools.partial(function, config, constrain=layout.constrain),
+                              in_shardings=(placed.weights, ids_sharding, ids_sharding, placed.cache),
+                              out_shardings=(logits_sharding, placed.cache), donate_argnums=3)
+            sharded_ids = with_sharding(ids, ids_sharding)
+            args = (spec_of(weights, placed.weights), sharded_ids, sharded_ids,
+                    {field: with_sharding(spec, placed.cache[field]) for field, spec in cache.items()})
+            specs[name] = {"tokens": spec_json(ids_sharding), "positions": spec_json(ids_sharding),
+                           "logits": spec_json(logits_sharding)}
+        exported = jax.export.export(program, platforms=platforms)(*args)
         (target / f"{name}.bin").write_bytes(exported.serialize())
         (target / f"{name}.mlir").write_text(exported.mlir_module())
     write_model_files(target, config, model.tokenizer)
-    write_json(target / MANIFEST, manifest(model, weights, cache, buckets, exported.platforms))
+    contents = manifest(model, weights, cache, buckets, exported.platforms)
+    if placed is not None:
+        add_sharding(contents, layout, placed, specs)
+    write_json(target / MANIFEST, contents)
     return target
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """A sharded export's argument shardings: weights by flat name, the cache by field, tokens by shape."""
+
+    layout: Layout
+    weights: dict[str, jax.sharding.NamedSharding]
+    cache: dict[str, jax.sharding.NamedSharding]
+
+    @classmethod
+    def of(cls, layout: Layout, config: Config, batch: int, max_len: int) -> "Placement":
+        return cls(layout, layout.param_shardings(config), layout.cache_shardings(config, batch, max_len))
+
+    def ids(self, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
+        """tokens and positions: [B, T] by ("batch", "seq"), or [B] by ("batch",) for decode."""
+        return self.layout.sharding("tokens", ("batch", "seq")[:len(shape)], shape)
+
+    def logits(self, batch: int, vocab: int) -> jax.sharding.NamedSharding:
+        return self.layout.sharding("logits", ("batch", "vocab"), (batch, vocab))
+
+
+def with_sharding(spec: jax.ShapeDtypeStruct, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding)
+
+
+def spec_json(sharding: jax.sharding.NamedSharding) -> list:
+    """A PartitionSpec as JSON: one entry per split dim, null (not split), a mesh axis or a list of them
+    (`PartitionSpec(*spec)` takes it back)."""
+    return [list(dim) if isinstance(dim, tuple) else dim for dim in sharding.spec]
+
+
+def add_sharding(contents: dict, layout: Layout, placed: Placement, specs: dict[str, dict]) -> None:
+    """The mesh, and every argument's and result's PartitionSpec, into the manifest."""
+    contents["mesh"] = {"axis_names": list(layout.mesh.axis_names),
+                        "axis_sizes": [int(layout.mesh.shape[a]) for a in layout.mesh.axis_names]}
+    for tensor in contents["weights"]["tensors"]:
+        tensor["spec"] = spec_json(placed.weights[tensor["name"]])
+    for field, entry in contents["cache"].items():
+        entry["spec"] = spec_json(placed.cache[field])
+    for t, entry in contents["prefill"].items():
+        entry["specs"] = specs[f"prefill_T{t}"]
+    contents["decode"]["specs"] = specs["decode"]
 
 
 def prompt_buckets(config: Config, batch: int, max_len: int) -> list[int]:
@@ -75,14 +147,16 @@ def prompt_buckets(config: Config, batch: int, max_len: int) -> list[int]:
 
 def save_weights(params: Params, path: Path) -> dict[str, np.ndarray]:
     """Write the params as one safetensors file of flat names; returns them, {name: numpy array}."""
-    weights = {name: np.asarray(array) for name, array in flatten_params(params).items()}
+    weights = {name: host(array) for name, array in flatten_params(params).items()}
     save_file(weights, path)
     return weights
 
 
-def spec_of(arrays: dict) -> dict[str, jax.ShapeDtypeStruct]:
-    """Shapes and dtypes only, for tracing."""
-    return {name: jax.ShapeDtypeStruct(array.shape, array.dtype) for name, array in arrays.items()}
+def spec_of(arrays: dict, shardings: dict | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes and dtypes only (and shardings, by name, when given), for tracing."""
+    shardings = shardings or {}
+    return {name: jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=shardings.get(name))
+            for name, array in arrays.items()}
 
 
 def cache_dict(cache: KVCache) -> dict[str, jax.Array]:
@@ -91,17 +165,19 @@ def cache_dict(cache: KVCache) -> dict[str, jax.Array]:
 
 
 def last_logits(config: Config, weights: dict, tokens: jax.Array, positions: jax.Array,
-                cache: dict) -> tuple[jax.Array, dict]:
-    """forward over tokens [B, T] in plain containers: (float32 logits [B, V] at position T - 1, cache dict)."""
+                cache: dict, constrain=None) -> tuple[jax.Array, dict]:
+    """forward over tokens [B, T] in plain containers: (float32 logits [B, V] at position T - 1, cache dict).
+    constrain: forward's sharding constraints (`Layout.constrain`), None unsharded."""
     logits_at = jnp.full((tokens.shape[0],), tokens.shape[1] - 1, jnp.int32)
-    logits, new_cache = forward(unflatten_params(weights), config, tokens, positions, KVCache(**cache), logits_at)
+    logits, new_cache = forward(unflatten_params(weights), config, tokens, positions, KVCache(**cache), logits_at,
+                                constrain)
     return logits[:, 0], cache_dict(new_cache)
 
 
 def decode_step(config: Config, weights: dict, token: jax.Array, position: jax.Array,
-                cache: dict) -> tuple[jax.Array, dict]:
+                cache: dict, constrain=None) -> tuple[jax.Array, dict]:
     """One token per row: token, position [B] → (float32 logits [B, V], cache dict)."""
-    return last_logits(config, weights, token[:, None], position[:, None], cache)
+    return last_logits(config, weights, token[:, None], position[:, None], cache, constrain)
 
 
 def manifest(model, weights: dict[str, np.ndarray], cache: dict[str, jax.ShapeDtypeStruct], buckets: list[int],

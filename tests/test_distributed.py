@@ -1,0 +1,153 @@
+"""Two real processes on loopback (`jax.distributed`, gloo CPU collectives, 4 fake devices each)
+load a tiny random llama onto meshes over all 8 devices and generate: both must print the ids
+(and last-position logits) that one process on one device computes. The workers run in their own
+process groups, are killed in a `finally`, and a hang fails with their stderr instead of hanging
+the suite. The worker is tests/distributed_worker.py."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import randomize
+
+import linnet_jax
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+ROOT = Path(__file__).parents[1]
+PROCESSES = 2
+TIMEOUT_S = 240
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [12], [40, 41, 42, 43, 44], [100, 101],
+           [7] * 10, [200, 3, 4], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 250, 17, 33]]
+MAX_NEW_TOKENS = 12
+CASES = [
+    # batch over data (crosses the processes), heads/kv heads/mlp/vocab over tensor (within one)
+    {"name": "data2_tensor4", "mesh": {"data": 2, "tensor": 4}, "rules": "tp"},
+    # batch and every weight split over all 8 devices of both processes
+    {"name": "fsdp8", "mesh": {"fsdp": 8}, "rules": "fsdp"},
+]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    """A random tiny llama (8 query heads over 4 kv heads) saved as a Hugging Face directory."""
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+                                      initializer_range=0.1)
+    torch.manual_seed(0)
+    model = randomize(transformers.LlamaForCausalLM(config), seed=0).eval()
+    directory = tmp_path_factory.mktemp("distributed_llama")
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    """(greedy ids, last-position logits [B, V]) from one process on one device."""
+    model = linnet_jax.load(llama_dir, progress=False)
+    ids = linnet_jax.generate(model, tokens=PROMPTS, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    padded, mask = right_padded(PROMPTS)
+    logits = np.asarray(linnet_jax.logits(model, padded, attention_mask=mask))
+    return ids, logits[np.arange(len(PROMPTS)), [len(p) - 1 for p in PROMPTS]]
+
+
+def right_padded(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The prompts as one right-padded [B, T] array and its attention mask (the worker does the same)."""
+    ids = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
+    mask = np.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, :len(prompt)], mask[row, :len(prompt)] = prompt, 1
+    return ids, mask
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stderr_tail(path: Path, chars: int = 4000) -> str:
+    """The end of a worker's stderr without gloo's connection chatter."""
+    lines = [line for line in path.read_text(errors="replace").splitlines() if not line.startswith("[Gloo]")]
+    return "\n".join(lines)[-chars:]
+
+
+def run_workers(model_dir: Path, request: dict, log_dir: Path, timeout: float, num_processes: int = PROCESSES,
+                process_ids=None, started: list | None = None) -> list[dict]:
+    """Start a worker for each of process_ids (default: all of num_processes) and return their JSON lines.
+
+    Fails, with every worker's stderr tail, when one exits non-zero or all are not done by `timeout`
+    seconds; either way every worker's process group is killed before this returns.
+    """
+    started = [] if started is None else started
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env |= {"JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    process_ids = range(num_processes) if process_ids is None else process_ids
+    logs = [(log_dir / f"worker{i}.out", log_dir / f"worker{i}.err") for i in process_ids]
+    report = lambda: "\n".join(  # noqa: E731
+        f"--- worker {i} (exit {p.poll()}) stderr tail:\n{stderr_tail(err)}"
+        for i, p, (_, err) in zip(process_ids, started, logs))
+    try:
+        for i, (out, err) in zip(process_ids, logs):
+            with open(out, "w") as stdout, open(err, "w") as stderr:
+                started.append(subprocess.Popen(
+                    [sys.executable, str(WORKER), str(model_dir), str(port), str(i), str(num_processes),
+                     json.dumps(request)],
+                    stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
+                    start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in started):
+            if any(p.poll() not in (None, 0) for p in started):
+                pytest.fail(f"a distributed worker failed\n{report()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"distributed workers timed out after {timeout} s\n{report()}")
+            time.sleep(0.2)
+        if any(p.returncode != 0 for p in started):
+            pytest.fail(f"a distributed worker failed\n{report()}")
+    finally:
+        for process in started:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # the worker and anything it started
+            except ProcessLookupError:
+                pass
+            process.wait()
+    return [json.loads(line) for out, _ in logs for line in out.read_text().splitlines() if line.startswith("{")]
+
+
+def test_two_processes_generate_the_ids_of_one(llama_dir, reference, tmp_path):
+    ids, logits = reference
+    start = time.monotonic()
+    lines = run_workers(llama_dir, {"prompts": PROMPTS, "max_new_tokens": MAX_NEW_TOKENS, "cases": CASES},
+                        tmp_path, TIMEOUT_S)
+    print(f"two workers, {len(CASES)} meshes: {time.monotonic() - start:.1f} s")
+    results = {(line["case"], line["process"]): line for line in lines}
+    for case in CASES:
+        for process in range(PROCESSES):
+            got = results.get((case["name"], process))
+            assert got is not None, f"no result from process {process} for {case['name']}: {lines}"
+            assert got["ids"] == ids, f"{case['name']}, process {process}: ids differ from one device"
+            np.testing.assert_allclose(np.asarray(got["logits_last"]), logits, atol=1e-4, rtol=1e-4,
+                                       err_msg=f"{case['name']}, process {process}")
+
+
+def test_a_hung_worker_times_out_and_nothing_is_left_running(llama_dir, tmp_path):
+    """Two workers of a three-process job wait for the third forever: the harness kills both and says so."""
+    started = []
+    with pytest.raises(pytest.fail.Exception, match="timed out") as failure:
+        run_workers(llama_dir, {"prompts": PROMPTS, "max_new_tokens": 1, "cases": []}, tmp_path, timeout=10,
+                    num_processes=3, process_ids=(0, 1), started=started)
+    assert "--- worker 0" in str(failure.value) and "--- worker 1" in str(failure.value)
+    assert len(started) == 2
+    for process in started:
+        assert process.returncode == -signal.SIGKILL
+        with pytest.raises(ProcessLookupError):
+            os.killpg(process.pid, 0)
