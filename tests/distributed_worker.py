@@ -33,14 +33,11 @@ def main() -> None:
     assert jax.device_count() == LOCAL_DEVICES * num_processes, jax.devices()
 
     import linnet_jax
+    from batches import right_padded
     from linnet_jax.sharding import host, mesh
 
     prompts = request["prompts"]
-    padded = np.zeros((len(prompts), max(map(len, prompts))), np.int32)  # right-padded, masked
-    mask = np.zeros_like(padded)
-    for row, prompt in enumerate(prompts):
-        padded[row, :len(prompt)] = prompt
-        mask[row, :len(prompt)] = 1
+    padded, mask = right_padded(prompts)
     last = np.array([len(p) - 1 for p in prompts])
 
     for case in request["cases"]:

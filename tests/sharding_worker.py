@@ -20,6 +20,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import linnet_jax  # noqa: E402
+from batches import right_padded  # noqa: E402
 from linnet_jax import sharding  # noqa: E402
 from linnet_jax.models.params import flatten_params, param_axes  # noqa: E402
 
@@ -30,15 +31,6 @@ PROMPTS = 8  # one per device of the largest data axis
 def prompts(vocab: int) -> list[list[int]]:
     """PROMPTS prompts of different lengths (3 to 17 ids)."""
     return [np.random.default_rng(row).integers(0, vocab, 3 + 2 * row).tolist() for row in range(PROMPTS)]
-
-
-def padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Right-padded ids and their attention mask."""
-    ids = np.zeros((len(rows), max(map(len, rows))), np.int32)
-    mask = np.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, :len(row)], mask[i, :len(row)] = row, 1
-    return ids, mask
 
 
 def top2_gap(model, row: list[int]) -> float:
@@ -79,8 +71,8 @@ def run_case(make_model, reference, rows, new_tokens, ref_ids, ref_logits) -> di
         warnings.simplefilter("always")
         model = make_model()
         ids = linnet_jax.generate(model, tokens=rows, max_new_tokens=new_tokens, ignore_eos=True)
-        out = sharding.host(linnet_jax.logits(model, *padded(rows)))
-    mask = padded(rows)[1].astype(bool)
+        out = sharding.host(linnet_jax.logits(model, *right_padded(rows)))
+    mask = right_padded(rows)[1].astype(bool)
     return {
         "ids": ids, "equal": ids == ref_ids, "near_tie_gap": near_tie(reference, rows, ref_ids, ids),
         "logit_diff": float(np.abs(out - ref_logits[0])[mask].max()),
@@ -116,11 +108,11 @@ def main(kind: str, directory: str | None = None) -> None:
     rows = prompts(reference.config.vocab_size)
     new_tokens = NEW_TOKENS[kind]
     ref_ids = linnet_jax.generate(reference, tokens=rows, max_new_tokens=new_tokens, ignore_eos=True)
-    ref_logits = np.asarray(linnet_jax.logits(reference, *padded(rows))), row_by_row(reference, rows)
+    ref_logits = np.asarray(linnet_jax.logits(reference, *right_padded(rows))), row_by_row(reference, rows)
     source = directory if kind == "tiny" else reference
     results = {name: run_case(make, reference, rows, new_tokens, ref_ids, ref_logits)
                for name, make in cases(kind, source).items()}
-    batch_vs_rows = float(np.abs(ref_logits[0] - ref_logits[1])[padded(rows)[1].astype(bool)].max())
+    batch_vs_rows = float(np.abs(ref_logits[0] - ref_logits[1])[right_padded(rows)[1].astype(bool)].max())
     print(json.dumps({"devices": len(jax.devices()), "reference_ids": ref_ids, "batch_vs_rows": batch_vs_rows,
                       "cases": results}))
 

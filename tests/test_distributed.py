@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from batches import right_padded
 from conftest import randomize
 
 import linnet_jax
@@ -57,15 +58,6 @@ def reference(llama_dir):
     padded, mask = right_padded(PROMPTS)
     logits = np.asarray(linnet_jax.logits(model, padded, attention_mask=mask))
     return ids, logits[np.arange(len(PROMPTS)), [len(p) - 1 for p in PROMPTS]]
-
-
-def right_padded(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """The prompts as one right-padded [B, T] array and its attention mask (the worker does the same)."""
-    ids = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
-    mask = np.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, :len(prompt)], mask[row, :len(prompt)] = prompt, 1
-    return ids, mask
 
 
 def free_port() -> int:
