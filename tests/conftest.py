@@ -119,3 +119,14 @@ def smollm2_reference(smollm2_gguf):
 @pytest.fixture(scope="session")
 def smollm2_reference_tokenizer(smollm2_gguf):
     return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def shardable_dir(tmp_path_factory):
+    """A random tiny llama whose 8 query and 4 kv heads, MLP and vocab divide every mesh the sharding tests use,
+    saved as a Hugging Face directory."""
+    config = transformers.LlamaConfig(**TINY | dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                                                    intermediate_size=128))
+    directory = tmp_path_factory.mktemp("shardable")
+    randomize(transformers.AutoModelForCausalLM.from_config(config), seed=3).save_pretrained(directory)
+    return directory

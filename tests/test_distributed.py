@@ -15,10 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-import transformers
 from batches import right_padded
-from conftest import randomize
 
 import linnet_jax
 
@@ -38,22 +35,9 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> Path:
-    """A random tiny llama (8 query heads over 4 kv heads) saved as a Hugging Face directory."""
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
-                                      initializer_range=0.1)
-    torch.manual_seed(0)
-    model = randomize(transformers.LlamaForCausalLM(config), seed=0).eval()
-    directory = tmp_path_factory.mktemp("distributed_llama")
-    model.save_pretrained(directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def reference(llama_dir):
+def reference(shardable_dir):
     """(greedy ids, last-position logits [B, V]) from one process on one device."""
-    model = linnet_jax.load(llama_dir, progress=False)
+    model = linnet_jax.load(shardable_dir, progress=False)
     ids = linnet_jax.generate(model, tokens=PROMPTS, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     padded, mask = right_padded(PROMPTS)
     logits = np.asarray(linnet_jax.logits(model, padded, attention_mask=mask))
@@ -115,10 +99,10 @@ def run_workers(model_dir: Path, request: dict, log_dir: Path, timeout: float, n
     return [json.loads(line) for out, _ in logs for line in out.read_text().splitlines() if line.startswith("{")]
 
 
-def test_two_processes_generate_the_ids_of_one(llama_dir, reference, tmp_path):
+def test_two_processes_generate_the_ids_of_one(shardable_dir, reference, tmp_path):
     ids, logits = reference
     start = time.monotonic()
-    lines = run_workers(llama_dir, {"prompts": PROMPTS, "max_new_tokens": MAX_NEW_TOKENS, "cases": CASES},
+    lines = run_workers(shardable_dir, {"prompts": PROMPTS, "max_new_tokens": MAX_NEW_TOKENS, "cases": CASES},
                         tmp_path, TIMEOUT_S)
     print(f"two workers, {len(CASES)} meshes: {time.monotonic() - start:.1f} s")
     results = {(line["case"], line["process"]): line for line in lines}
@@ -131,11 +115,11 @@ def test_two_processes_generate_the_ids_of_one(llama_dir, reference, tmp_path):
                                        err_msg=f"{case['name']}, process {process}")
 
 
-def test_a_hung_worker_times_out_and_nothing_is_left_running(llama_dir, tmp_path):
+def test_a_hung_worker_times_out_and_nothing_is_left_running(shardable_dir, tmp_path):
     """Two workers of a three-process job wait for the third forever: the harness kills both and says so."""
     started = []
     with pytest.raises(pytest.fail.Exception, match="timed out") as failure:
-        run_workers(llama_dir, {"prompts": PROMPTS, "max_new_tokens": 1, "cases": []}, tmp_path, timeout=10,
+        run_workers(shardable_dir, {"prompts": PROMPTS, "max_new_tokens": 1, "cases": []}, tmp_path, timeout=10,
                     num_processes=3, process_ids=(0, 1), started=started)
     assert "--- worker 0" in str(failure.value) and "--- worker 1" in str(failure.value)
     assert len(started) == 2

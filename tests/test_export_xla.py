@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import transformers
-from conftest import TINY, randomize, record_parity, reference_logits
+from conftest import record_parity, reference_logits
 from safetensors.numpy import load_file
 
 import linnet_jax
@@ -139,16 +138,6 @@ def test_stablehlo_batch_of_two_different_prompts(tiny_dir, tmp_path):
         full = np.asarray(linnet_jax.logits(model, [prompt + [int(step[row])]]))[0]
         assert np.abs(np.asarray(logits[row]) - full[-2]).max() < 1e-5
         assert np.abs(np.asarray(decoded[row]) - full[-1]).max() < 1e-5
-
-
-@pytest.fixture(scope="module")
-def shardable_dir(tmp_path_factory) -> Path:
-    """A random llama whose 8 query and 4 kv heads, MLP and vocab divide a tensor axis of 4."""
-    config = transformers.LlamaConfig(**TINY | dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
-                                                    intermediate_size=128))
-    directory = tmp_path_factory.mktemp("shardable")
-    randomize(transformers.AutoModelForCausalLM.from_config(config), seed=3).save_pretrained(directory)
-    return directory
 
 
 def test_stablehlo_sharded_export_reloads_on_a_mesh(shardable_dir, tmp_path):

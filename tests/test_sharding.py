@@ -14,11 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import transformers
 
 import linnet_jax
 from linnet_jax import sharding
-from tests.conftest import TINY, randomize, record_parity
+from conftest import record_parity
 
 WORKER = Path(__file__).with_name("sharding_worker.py")
 NEAR_TIE = 1e-4
@@ -40,14 +39,8 @@ def run_worker(*args: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tiny_results(tmp_path_factory):
-    """A random llama whose 8 query and 4 kv heads, MLP and vocab divide every mesh used."""
-    config = transformers.LlamaConfig(**TINY | dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
-                                                    intermediate_size=128))
-    model = randomize(transformers.AutoModelForCausalLM.from_config(config), seed=3)
-    directory = tmp_path_factory.mktemp("shardable")
-    model.save_pretrained(directory)
-    return run_worker("tiny", str(directory))
+def tiny_results(shardable_dir):
+    return run_worker("tiny", str(shardable_dir))
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,8 @@ OPS_SOURCES: dict[str, list[str]] = {
     "linnet_jax.ops.mlp": ["swiglu"],
 }
 MODEL_SOURCES: dict[str, list[str]] = {
-    "linnet_jax.models.params": ["LayerParams", "Params", "unflatten_params"],
-    "linnet_jax.models.decoder": ["KVCache", "init_cache", "project_qkv", "write_rows", "update_cache",
+    "linnet_jax.models.params": ["LayerParams", "Params", "unflatten_params", "unstack_layers", "layer_slices"],
+    "linnet_jax.models.decoder": ["KVCache", "init_cache", "unstack_cache", "project_qkv", "write_rows", "update_cache",
                                   "append_positions", "decoder_layer", "forward"],
     "linnet_jax.generate": ["MIN_BUCKET", "bucket", "left_pad"],
 }
@@ -75,13 +75,18 @@ def step(params: Params, tokens: jax.Array, positions: jax.Array, cache: KVCache
 
 
 def generate(params: Params, token_ids: list[int], max_new_tokens: int, stop_ids=EOS_TOKEN_IDS) -> list[int]:
-    """Greedy continuation of one prompt: up to max_new_tokens new ids, ending before the first stop id."""
+    """Greedy continuation of one prompt: up to max_new_tokens new ids, ending before the first stop id.
+
+    The layers run unrolled over per-layer weights and cache arrays (`unstack_layers`, `unstack_cache`),
+    which decodes faster on XLA:CPU than the scan over the stacked ones.
+    """
     if not token_ids or len(token_ids) + max_new_tokens > CONFIG.max_position_embeddings:
         raise ValueError(f"a prompt of {len(token_ids)} ids plus {max_new_tokens} new tokens does not fit the "
                          f"context of {CONFIG.max_position_embeddings} positions (nor may the prompt be empty)")
     prompt_len = bucket(len(token_ids))
     tokens, positions = left_pad([token_ids], prompt_len)
-    cache = init_cache(CONFIG, 1, bucket(prompt_len + max_new_tokens), params.embed.dtype)
+    params = unstack_layers(params)
+    cache = unstack_cache(init_cache(CONFIG, 1, bucket(prompt_len + max_new_tokens), params.embed.dtype))
     logits, cache = step(params, tokens, positions, cache)
     new = [int(jnp.argmax(logits[0]))]
     while len(new) < max_new_tokens and new[-1] not in stop_ids:
