@@ -48,7 +48,7 @@ def prefilled(model, params, cache, steps):
     sampling = make_sampling(1, 0.0, 0, 1.0, 0.0, 1.0, 0)
     stop_ids = stop_id_array(model, [], ignore_eos=True)
     state = _prefill(params, model.config, jnp.asarray(tokens), jnp.asarray(positions), cache, sampling, stop_ids,
-                     jnp.int32(steps + 1), 256)
+                     jnp.int32(steps + 1), 256, None)
     return jax.block_until_ready(state), sampling, stop_ids
 
 
@@ -56,7 +56,7 @@ def decode_seconds(model, params, make_cache, steps):
     """Wall time of one _decode call of `steps` steps (the state is donated, so a fresh prefill each time)."""
     state, sampling, stop_ids = prefilled(model, params, make_cache(), steps)
     start = time.perf_counter()
-    state = _decode(params, model.config, state, sampling, stop_ids, jnp.int32(steps + 1), jnp.int32(steps + 1))
+    state = _decode(params, model.config, state, sampling, stop_ids, jnp.int32(steps + 1), jnp.int32(steps + 1), None)
     jax.block_until_ready(state)
     assert int(state.step) == steps + 1
     return time.perf_counter() - start
@@ -67,7 +67,8 @@ def op_times(model, params, make_cache, steps, top=12):
     state, sampling, stop_ids = prefilled(model, params, make_cache(), steps)
     with tempfile.TemporaryDirectory() as directory:
         with jax.profiler.trace(directory, create_perfetto_trace=True):
-            state = _decode(params, model.config, state, sampling, stop_ids, jnp.int32(steps + 1), jnp.int32(steps + 1))
+            state = _decode(params, model.config, state, sampling, stop_ids, jnp.int32(steps + 1),
+                            jnp.int32(steps + 1), None)
             jax.block_until_ready(state)
         trace = next(Path(directory).rglob("*.trace.json.gz"))
         events = json.load(gzip.open(trace))["traceEvents"]
