@@ -196,13 +196,17 @@ def params_to_hf(params: Params, config: Config) -> dict[str, np.ndarray]:
 def flatten_params(tree: Params | LayerParams, prefix: str = "") -> dict[str, jax.Array]:
     """Params as one flat {name: array} in field order: "embed", "layers.attn_norm", ..., "final_norm".
 
-    Absent (None) fields are left out. These are the names of the exports that take plain containers
-    (StableHLO, the generated JAX source, and their safetensors files).
+    Unstacked layers (`unstack_layers`) are named per layer: "layers.0.attn_norm", ... Absent (None)
+    fields are left out. These are the names of the exports that take plain containers (StableHLO,
+    the generated JAX source, and their safetensors files).
     """
     flat = {}
     for field in dataclasses.fields(tree):
         value = getattr(tree, field.name)
-        if dataclasses.is_dataclass(value):
+        if isinstance(value, tuple):
+            for i, layer in enumerate(value):
+                flat |= flatten_params(layer, f"{prefix}{field.name}.{i}.")
+        elif dataclasses.is_dataclass(value):
             flat |= flatten_params(value, f"{prefix}{field.name}.")
         elif value is not None:
             flat[prefix + field.name] = value
@@ -210,10 +214,16 @@ def flatten_params(tree: Params | LayerParams, prefix: str = "") -> dict[str, ja
 
 
 def unflatten_params(flat: dict[str, jax.Array]) -> Params:
-    """The inverse of flatten_params."""
+    """The inverse of flatten_params (stacked or per-layer names)."""
     layers = {name.removeprefix("layers."): array for name, array in flat.items() if name.startswith("layers.")}
     top = {name: array for name, array in flat.items() if not name.startswith("layers.")}
-    return Params(layers=LayerParams(**layers), **top)
+    if not all("." in name for name in layers):
+        return Params(layers=LayerParams(**layers), **top)
+    per_layer = [{} for _ in range(1 + max(int(name.split(".")[0]) for name in layers))]
+    for name, array in layers.items():
+        index, field = name.split(".")
+        per_layer[int(index)][field] = array
+    return Params(layers=tuple(LayerParams(**fields) for fields in per_layer), **top)
 
 
 def unstack_layers(params: Params) -> Params:

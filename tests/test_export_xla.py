@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 import linnet_jax
 from linnet_jax import cli, export
 from linnet_jax.export import _jax_source
-from linnet_jax.models.params import flatten_params
+from linnet_jax.models.params import flatten_params, unstack_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKED = 'import sys\nsys.modules["linnet_jax"] = None\nsys.modules["flax"] = None\n'
@@ -103,7 +103,9 @@ def test_stablehlo_tiny_runs_standalone(tiny_dir, tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["buckets"] == [16, 32] and (manifest["batch"], manifest["max_len"]) == (1, 64)
     assert [(t["name"], tuple(t["shape"])) for t in manifest["weights"]["tensors"]] == [
-        (name, w.shape) for name, w in flatten_params(model.params).items()]
+        (name, w.shape) for name, w in flatten_params(unstack_layers(model.params)).items()]
+    assert manifest["weights"]["tensors"][1]["name"] == "layers.0.attn_norm"  # per layer: the unrolled programs
+    assert manifest["cache"]["k.1"] == {"shape": [2, 64, 16], "dtype": "float32", "fill": 0.0}
     assert manifest["cache"]["positions"] == {"shape": [1, 64], "dtype": "int32", "fill": -1}
     assert "mesh" not in manifest and "spec" not in manifest["weights"]["tensors"][0]  # unsharded: no mesh
     for name in ("prefill_T16", "prefill_T32", "decode"):
