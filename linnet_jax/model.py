@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from linnet_jax.models import Config, Params, forward
+from linnet_jax.models.params import decode_params
 from linnet_jax.sharding import put
 
 if TYPE_CHECKING:
@@ -25,6 +26,12 @@ class Model:
     params: Params
     tokenizer: "Tokenizer | None" = None
     layout: "Layout | None" = None
+
+    @functools.cached_property
+    def decode_params(self) -> Params:
+        """The params the cached programs (prefill, decode) take on this platform (`models.params.decode_params`):
+        per-layer views of the weights on the CPU, the stacked weights themselves elsewhere. Made once."""
+        return decode_params(self.params)
 
     def __repr__(self) -> str:
         c = self.config

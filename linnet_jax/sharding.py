@@ -37,7 +37,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from linnet_jax.models import Config
+from linnet_jax.models import Config, KVCache
 from linnet_jax.models.params import flatten_params, param_axes, param_shapes, unflatten_params
 
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "batch", "seq", "cache_seq")
@@ -200,21 +200,21 @@ class Layout:
         shapes = flatten_params(param_shapes(config))
         return {name: self.sharding(name, axes, shapes[name], weight=True) for name, axes in param_axes(config).items()}
 
-    def cache_shardings(self, config: Config, batch: int, max_len: int) -> dict[str, NamedSharding]:
-        """The KV cache's shardings by field: k [L, N, S, K], v [L, N, K, S], positions [B, S], lengths [B].
+    def cache_shardings(self, config: Config, batch: int, max_len: int) -> KVCache:
+        """The KV cache's shardings, as a KVCache: each layer's k [N, S, K] and v [N, K, S], positions [B, S],
+        cursor (replicated).
 
         The N = B * G rows take the batch's mesh axes, then the kv heads'.
         """
-        l, g, k = config.num_layers, config.num_kv_heads, config.head_dim
-        spec = self.spec("kv cache", ("layers", "batch", "kv_heads", "cache_seq", "head_dim"), (l, batch, g, max_len, k))
-        rows = tuple(a for part in spec[1:3] for a in ((part,) if isinstance(part, str) else part or ()))
-        layer, _, _, slots, dim = spec
-        return {
-            "k": NamedSharding(self.mesh, PartitionSpec(layer, rows or None, slots, dim)),
-            "v": NamedSharding(self.mesh, PartitionSpec(layer, rows or None, dim, slots)),
-            "positions": NamedSharding(self.mesh, PartitionSpec(spec[1], slots)),
-            "lengths": NamedSharding(self.mesh, PartitionSpec(spec[1])),
-        }
+        g, k = config.num_kv_heads, config.head_dim
+        spec = self.spec("kv cache", ("batch", "kv_heads", "cache_seq", "head_dim"), (batch, g, max_len, k))
+        rows = tuple(a for part in spec[0:2] for a in ((part,) if isinstance(part, str) else part or ()))
+        _, _, slots, dim = spec
+        layers = range(config.num_layers)
+        return KVCache(k=tuple(NamedSharding(self.mesh, PartitionSpec(rows or None, slots, dim)) for _ in layers),
+                       v=tuple(NamedSharding(self.mesh, PartitionSpec(rows or None, dim, slots)) for _ in layers),
+                       positions=NamedSharding(self.mesh, PartitionSpec(spec[0], slots)),
+                       cursor=self.replicated())
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())

@@ -1,20 +1,22 @@
 """The Llama-family decoder as pure functions over a params pytree and a static KV cache.
 
-Einsum legend: b batch, t new positions, s cache slots, d model width, h query heads,
-g key/value heads, k head dim, v vocab.
+Einsum legend: b batch, t new positions, d model width, h query heads, g key/value heads,
+k head dim, v vocab.
 
-One `forward` serves a full forward (no cache), prefill and decode. Layers run under
-`lax.scan` over the stacked weights, with the whole cache in the scan carry, so compile time
-and program size stay flat in depth. Given params whose layers are a tuple (`unstack_layers`)
-and a cache unstacked alike (`unstack_cache`), the layers are unrolled instead: on XLA:CPU a
-layer's weights sliced out of the stacked arrays are copied before each product, which costs
-more than the products themselves in decode, while per-layer arrays are read where they lie
-(benchmarks/RESULTS.md). `generate` decodes that way.
+One `forward` serves a full forward (no cache), prefill and decode. Without a cache the layers
+run under `lax.scan` over the stacked weights, so compile time and program size stay flat in
+depth. With a cache they are unrolled, each layer reading its own key and value arrays: on every
+platform a step then reads each layer's cache where it lies (a slice of a stacked cache is a copy
+on XLA:CPU). The weights come stacked (each layer's slice taken inside the program, as GPUs and
+TPUs read them) or as per-layer arrays (`unstack_layers`, what XLA:CPU wants: the one switch,
+`models.params.unstacks_layers`).
 
-The cache keeps keys and values per row of (batch row, key/value head), beside the position of
-every slot (-1 = empty or padding) and how many slots each batch row has used. A row's T new
-tokens go to its next T slots, whatever their positions: masks come from the stored positions,
-so left- or right-padded rows and rows at different lengths share one program.
+The cache is a ring of S slots per row with one write cursor shared by every row: the T new
+tokens of every row go to slots cursor .. cursor + T - 1 (mod S), so a step writes each layer's
+keys and values with one update whatever the number of rows. Each slot also records the position
+it holds (-1 = none), and masks come from those positions, never from slot indices: rows that
+joined at different times, hold different lengths or are idle share one program. A new token
+whose position is negative (padding, or an idle row) leaves its row's slot as it was.
 """
 
 from collections.abc import Callable
@@ -30,18 +32,18 @@ from linnet_jax.ops import apply_rope, attention, inverse_frequencies, rms_norm,
 
 @flax.struct.dataclass
 class KVCache:
-    """A static cache of S slots per row.
+    """A ring of S slots per row, written at one shared cursor.
 
-    k: [L, N, S, K] and v: [L, N, K, S], N = B * G rows (row b * G + g: batch row b, key/value
-    head g), the layout `attention` takes; or, unstacked for the unrolled forward, tuples of L
-    per-layer [N, S, K] and [N, K, S] arrays. positions: [B, S] int32, the position held by each
-    slot (-1 = none); lengths: [B] int32, the slots each batch row has used.
+    k: L per-layer keys [N, S, K] and v: L per-layer values [N, K, S], N = B * G rows (row b * G + g:
+    batch row b, key/value head g), the layout `attention` takes; positions: [B, S] int32, the
+    position each slot holds (-1 = none); cursor: int32 scalar, the slot the next token of every
+    row goes to.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     positions: jax.Array
-    lengths: jax.Array
+    cursor: jax.Array
 
     @property
     def max_len(self) -> int:
@@ -50,18 +52,13 @@ class KVCache:
 
 def init_cache(config: Config, batch: int, max_len: int, dtype=None) -> KVCache:
     """An empty cache of max_len slots per row, in the params dtype unless told otherwise."""
-    rows = batch * config.num_kv_heads
+    rows, layers, dtype = batch * config.num_kv_heads, range(config.num_layers), dtype or config.dtype
     return KVCache(
-        k=jnp.zeros((config.num_layers, rows, max_len, config.head_dim), dtype or config.dtype),
-        v=jnp.zeros((config.num_layers, rows, config.head_dim, max_len), dtype or config.dtype),
+        k=tuple(jnp.zeros((rows, max_len, config.head_dim), dtype) for _ in layers),
+        v=tuple(jnp.zeros((rows, config.head_dim, max_len), dtype) for _ in layers),
         positions=jnp.full((batch, max_len), -1, jnp.int32),
-        lengths=jnp.zeros((batch,), jnp.int32),
+        cursor=jnp.zeros((), jnp.int32),
     )
-
-
-def unstack_cache(cache: KVCache) -> KVCache:
-    """The same cache with k and v as tuples of per-layer arrays, for the unrolled forward."""
-    return cache.replace(k=tuple(cache.k), v=tuple(cache.v))
 
 
 def project_qkv(h: jax.Array, lp: LayerParams, config: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -77,51 +74,41 @@ def project_qkv(h: jax.Array, lp: LayerParams, config: Config) -> tuple[jax.Arra
     return q, k, v
 
 
-def write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array, slot_axis: int, at: tuple = ()) -> jax.Array:
-    """Write each batch row's new entries into its next slots, in place.
+def ring_write(cache: jax.Array, new: jax.Array, written: jax.Array, cursor: jax.Array, slot_axis: int) -> jax.Array:
+    """Write every row's T new entries into slots cursor .. cursor + T - 1 (mod S), as one update.
 
-    cache: [*A, N, S, K] keys (slot_axis -2) or [*A, N, K, S] values (slot_axis -1); at: indices
-    into the leading axes A (the layer of a stacked cache); new: [N, T, K] or [N, K, T];
-    starts: [B], each batch row's first slot. One dynamic_update_slice per batch row: on XLA:CPU
-    a vmapped (scatter) write measured ~6x slower per step.
+    cache: one layer's keys [N, S, K] (slot_axis -2) or values [N, K, S] (slot_axis -1); new:
+    [N, T, K] or [N, K, T]; written: [N, T] bool, False where a row's slot keeps its old entry
+    (padding, idle rows). The number of update ops does not depend on N.
     """
-    new = new.astype(cache.dtype)
-    heads = new.shape[0] // starts.shape[0]
-    for row in range(starts.shape[0]):
-        index = [row * heads, 0, 0]
-        index[slot_axis] = starts[row]
-        block = new[row * heads : (row + 1) * heads]
-        cache = jax.lax.dynamic_update_slice(cache, block[(None,) * len(at)], (*at, *index))
-    return cache
+    slots = (cursor + jnp.arange(new.shape[slot_axis])) % cache.shape[slot_axis]
+    index = (slice(None),) * (cache.ndim + slot_axis) + (slots,)
+    keep = jnp.expand_dims(written, cache.ndim + slot_axis + 1 if slot_axis == -2 else 1)
+    return cache.at[index].set(jnp.where(keep, new.astype(cache.dtype), cache[index]), unique_indices=True)
 
 
-def update_cache(cache: KVCache, layer: int | jax.Array, keys: jax.Array, values: jax.Array
+def update_cache(cache: KVCache, layer: int, keys: jax.Array, values: jax.Array, written: jax.Array
                  ) -> tuple[KVCache, jax.Array, jax.Array]:
-    """Write one layer's new keys [N, T, K] and values [N, K, T] into each row's next T slots.
+    """Write layer `layer`'s new keys [N, T, K] and values [N, K, T] at the cursor (written: [N, T] bool).
 
-    Returns the cache and the layer's keys [N, S, K] and values [N, K, S]. layer: a Python int
-    for an unstacked cache, else an index into the stacked one.
+    Returns the cache and the layer's keys [N, S, K] and values [N, K, S].
     """
-    starts = cache.lengths - keys.shape[1]  # positions were appended before the layers
-    if isinstance(cache.k, tuple):
-        k = write_rows(cache.k[layer], keys, starts, -2)
-        v = write_rows(cache.v[layer], values, starts, -1)
-        return cache.replace(k=(*cache.k[:layer], k, *cache.k[layer + 1:]),
-                             v=(*cache.v[:layer], v, *cache.v[layer + 1:])), k, v
-    cache = cache.replace(k=write_rows(cache.k, keys, starts, -2, at=(layer,)),
-                          v=write_rows(cache.v, values, starts, -1, at=(layer,)))
-    k = jax.lax.dynamic_index_in_dim(cache.k, layer, keepdims=False)
-    v = jax.lax.dynamic_index_in_dim(cache.v, layer, keepdims=False)
-    return cache, k, v
+    k = ring_write(cache.k[layer], keys, written, cache.cursor, -2)
+    v = ring_write(cache.v[layer], values, written, cache.cursor, -1)
+    replaced = lambda arrays, new: (*arrays[:layer], new, *arrays[layer + 1:])  # noqa: E731
+    return cache.replace(k=replaced(cache.k, k), v=replaced(cache.v, v)), k, v
 
 
-def append_positions(cache: KVCache, positions: jax.Array) -> KVCache:
-    """Record the positions of T new tokens in each row's next T slots. positions: [B, T]."""
-    write = jax.vmap(lambda row, new, start: jax.lax.dynamic_update_slice(row, new, (start,)))
-    return cache.replace(
-        positions=write(cache.positions, positions.astype(jnp.int32), cache.lengths),
-        lengths=cache.lengths + positions.shape[1],
-    )
+def record_positions(cache: KVCache, positions: jax.Array) -> KVCache:
+    """Record the positions [B, T] of T new tokens in every row's slots at the cursor (-1 where padding)."""
+    t = positions.shape[1]
+    slots = (cache.cursor + jnp.arange(t)) % cache.max_len
+    return cache.replace(positions=cache.positions.at[:, slots].set(positions.astype(jnp.int32), unique_indices=True))
+
+
+def advance(cache: KVCache, t: int) -> KVCache:
+    """The cache with its cursor moved past T written slots."""
+    return cache.replace(cursor=(cache.cursor + t) % cache.max_len)
 
 
 def decoder_layer(
@@ -130,7 +117,7 @@ def decoder_layer(
     config: Config,
     positions: jax.Array,
     window: jax.Array,
-    layer: int | jax.Array,
+    layer: int,
     cache: KVCache | None,
 ) -> tuple[jax.Array, KVCache | None]:
     """One pre-norm block: x + attention(norm(x)), then + swiglu(norm(x)). x: [B, T, D]."""
@@ -140,17 +127,15 @@ def decoder_layer(
         q, k, v = project_qkv(rms_norm(x, lp.attn_norm, config.rms_norm_eps), lp, config)
         q = apply_rope(q, rope_positions, inv_freq)
         k = apply_rope(k, rope_positions, inv_freq)
-        b, t, g, d = k.shape
-        keys = jnp.swapaxes(k, 1, 2).reshape(b * g, t, d)  # [N, T, K]
-        values = jnp.transpose(v, (0, 2, 3, 1)).reshape(b * g, d, t)  # [N, K, T]
-        own = lambda: attention(q, keys, values, rope_positions, positions, window)  # noqa: E731
+        b, t, g, head_dim = k.shape
+        keys = jnp.swapaxes(k, 1, 2).reshape(b * g, t, head_dim)  # [N, T, K]
+        values = jnp.transpose(v, (0, 2, 3, 1)).reshape(b * g, head_dim, t)  # [N, K, T]
         if cache is None:
-            mixed = own()
+            mixed = attention(q, keys, values, rope_positions, positions, window)
         else:
-            cache, cached_keys, cached_values = update_cache(cache, layer, keys, values)
-            cached = lambda: attention(q, cached_keys, cached_values, rope_positions, cache.positions, window)  # noqa: E731
-            # Tokens written into an empty cache (a prefill) see only each other: skip the empty slots.
-            mixed = cached() if t == 1 else jax.lax.cond(jnp.all(cache.lengths == t), own, cached)
+            written = jnp.repeat(positions >= 0, g, axis=0)  # [N, T]
+            cache, keys, values = update_cache(cache, layer, keys, values, written)
+            mixed = attention(q, keys, values, rope_positions, cache.positions, window)
         out = jnp.einsum("bthk,hkd->btd", mixed, lp.wo)
         x = x + (out + lp.bo if config.o_bias else out)
     with jax.named_scope("mlp"):
@@ -169,11 +154,11 @@ def forward(
 ) -> tuple[jax.Array, KVCache | None]:
     """Logits of the next token at each new position, and the updated cache.
 
-    tokens, positions: [B, T] int; a negative position marks padding, never attended to. With a
-    cache, the tokens go to each row's next T slots, which the caller makes sure exist
-    (`dynamic_update_slice` would clamp). logits_at: optional [B] indices into T; then only
-    those positions' logits are computed ([B, 1, V]). constrain(array, logical axes): applied to
-    the activations at every block boundary and to the logits (sharding constraints,
+    tokens, positions: [B, T] int; a negative position marks padding, never attended to nor written
+    to the cache. With a cache, every row's tokens go to the T slots at its cursor (mod S), which
+    the caller makes sure hold nothing the row still needs. logits_at: optional [B] indices into T;
+    then only those positions' logits are computed ([B, 1, V]). constrain(array, logical axes):
+    applied to the activations at every block boundary and to the logits (sharding constraints,
     `linnet_jax.sharding.Layout.constrain`); None for none.
     Returns (float32 logits [B, T, V] or [B, 1, V], cache).
     """
@@ -181,27 +166,31 @@ def forward(
     activation = ("batch", "seq", "embed")  # the logical axes of x
     x = constrain(jnp.take(params.embed, tokens, axis=0), activation)
     if cache is not None:
-        cache = append_positions(cache, positions)
-    if isinstance(params.layers, tuple):
-        for layer, lp in enumerate(params.layers):
-            x, cache = decoder_layer(x, lp, config, positions, config.layer_windows[layer], layer, cache)
+        cache = record_positions(cache, positions)
+    if cache is not None or isinstance(params.layers, tuple):
+        for layer in range(config.num_layers):
+            x, cache = decoder_layer(x, layer_params(params, layer), config, positions, config.layer_windows[layer],
+                                     layer, cache)
             x = constrain(x, activation)
     else:
-        if cache is not None and isinstance(cache.k, tuple):
-            raise ValueError("an unstacked cache (unstack_cache) needs unstacked params (unstack_layers)")
+        def body(x, layer_inputs):
+            lp, window = layer_inputs
+            x, _ = decoder_layer(x, lp, config, positions, window, 0, None)
+            return constrain(x, activation), None
 
-        def body(carry, layer_inputs):
-            x, cache = carry
-            lp, window, layer = layer_inputs
-            x, cache = decoder_layer(x, lp, config, positions, window, layer, cache)
-            return (constrain(x, activation), cache), None
-
-        windows = jnp.asarray(config.layer_windows, jnp.int32)
-        layer_ids = jnp.arange(config.num_layers)
-        (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, windows, layer_ids))
+        x, _ = jax.lax.scan(body, x, (params.layers, jnp.asarray(config.layer_windows, jnp.int32)))
+    if cache is not None:
+        cache = advance(cache, tokens.shape[1])
     x = rms_norm(x, params.final_norm, config.rms_norm_eps)
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
     head = params.embed if params.lm_head is None else params.lm_head
     logits = jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
     return constrain(logits, ("batch", "seq", "vocab")), cache
+
+
+def layer_params(params: Params, layer: int) -> LayerParams:
+    """One layer's weights: an entry of unstacked layers, or a slice of the stacked ones (inside a program)."""
+    if isinstance(params.layers, tuple):
+        return params.layers[layer]
+    return jax.tree.map(lambda stacked: stacked[layer], params.layers)

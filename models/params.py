@@ -1,13 +1,12 @@
 """The weights: a registered dataclass pytree, layer weights stacked on a leading layer axis.
 
-Axis names used in shapes: V vocab, D model width, L layers, H query heads, G key/value heads,
-K head dim, F MLP width. Projections are stored input-first ([D, H, K], [D, F], ...), so
-every einsum contracts the leading axis; transformers stores them [out, in]. The same axes by
-their logical names, which sharding rules map to mesh axes (`param_axes`): vocab, embed,
-layers, heads, kv_heads, head_dim, mlp.
-
-`param_shapes(config)` is the one description of the tree: loading, checking and
-converting to and from Hugging Face names all read it.
+Each weight is declared once, as a field of `LayerParams` or `Params` carrying its logical axes,
+its transformers name, how many of its leading axes are a projection's input, and the config
+flag it exists under; shapes, sharding axes and the Hugging Face mapping are derived from that.
+Logical axes (which sharding rules map to mesh axes, `param_axes`) and their sizes: vocab V,
+embed D, layers L, heads H, kv_heads G, head_dim K, mlp F. Projections are stored input-first
+([D, H, K], [D, F], ...), so every einsum contracts the leading axis; transformers stores them
+[out, in].
 """
 
 import dataclasses
@@ -21,107 +20,87 @@ import numpy as np
 from linnet_jax.models.config import Config
 
 
+def weight(axes: tuple[str, ...], hf_name: str, inputs: int | None = None, when: str | None = None):
+    """A weight field: logical axes (a layer weight's without "layers"), transformers name (a layer's
+    inside `model.layers.{i}.`), how many leading axes are the projection's input (None: a vector,
+    which only reshapes), and the Config flag it exists under (None: always; "untied": the lm head)."""
+    return dataclasses.field(default=None, metadata=dict(axes=axes, hf_name=hf_name, inputs=inputs, when=when))
+
+
 @flax.struct.dataclass
 class LayerParams:
-    """One decoder layer's weights, each with a leading [L] layer axis. Absent features are None."""
+    """The decoder layers' weights, each with a leading [L] layer axis (none once unstacked). Absent ones are None."""
 
-    attn_norm: jax.Array  # [L, D]
-    wq: jax.Array  # [L, D, H, K]
-    wk: jax.Array  # [L, D, G, K]
-    wv: jax.Array  # [L, D, G, K]
-    wo: jax.Array  # [L, H, K, D]
-    mlp_norm: jax.Array  # [L, D]
-    w_gate: jax.Array  # [L, D, F]
-    w_up: jax.Array  # [L, D, F]
-    w_down: jax.Array  # [L, F, D]
-    bq: jax.Array | None = None  # [L, H, K]
-    bk: jax.Array | None = None  # [L, G, K]
-    bv: jax.Array | None = None  # [L, G, K]
-    bo: jax.Array | None = None  # [L, D]
-    q_norm: jax.Array | None = None  # [L, K]
-    k_norm: jax.Array | None = None  # [L, K]
+    attn_norm: jax.Array = weight(("embed",), "input_layernorm.weight")
+    wq: jax.Array = weight(("embed", "heads", "head_dim"), "self_attn.q_proj.weight", inputs=1)
+    wk: jax.Array = weight(("embed", "kv_heads", "head_dim"), "self_attn.k_proj.weight", inputs=1)
+    wv: jax.Array = weight(("embed", "kv_heads", "head_dim"), "self_attn.v_proj.weight", inputs=1)
+    wo: jax.Array = weight(("heads", "head_dim", "embed"), "self_attn.o_proj.weight", inputs=2)
+    mlp_norm: jax.Array = weight(("embed",), "post_attention_layernorm.weight")
+    w_gate: jax.Array = weight(("embed", "mlp"), "mlp.gate_proj.weight", inputs=1)
+    w_up: jax.Array = weight(("embed", "mlp"), "mlp.up_proj.weight", inputs=1)
+    w_down: jax.Array = weight(("mlp", "embed"), "mlp.down_proj.weight", inputs=1)
+    bq: jax.Array | None = weight(("heads", "head_dim"), "self_attn.q_proj.bias", when="qkv_bias")
+    bk: jax.Array | None = weight(("kv_heads", "head_dim"), "self_attn.k_proj.bias", when="qkv_bias")
+    bv: jax.Array | None = weight(("kv_heads", "head_dim"), "self_attn.v_proj.bias", when="qkv_bias")
+    bo: jax.Array | None = weight(("embed",), "self_attn.o_proj.bias", when="o_bias")
+    q_norm: jax.Array | None = weight(("head_dim",), "self_attn.q_norm.weight", when="qk_norm")
+    k_norm: jax.Array | None = weight(("head_dim",), "self_attn.k_norm.weight", when="qk_norm")
 
 
 @flax.struct.dataclass
 class Params:
-    embed: jax.Array  # [V, D]
-    layers: LayerParams
-    final_norm: jax.Array  # [D]
-    lm_head: jax.Array | None = None  # [V, D]; None when tied to embed
+    embed: jax.Array = weight(("vocab", "embed"), "model.embed_tokens.weight")
+    layers: LayerParams = None
+    final_norm: jax.Array = weight(("embed",), "model.norm.weight")
+    lm_head: jax.Array | None = weight(("vocab", "embed"), "lm_head.weight", when="untied")
 
 
-# Each layer field: (transformers name inside `model.layers.{i}.`, how many leading axes of ours are
-# the projection's input; None for vectors, which only reshape).
-LAYER_TENSORS: dict[str, tuple[str, int | None]] = {
-    "attn_norm": ("input_layernorm.weight", None),
-    "wq": ("self_attn.q_proj.weight", 1),
-    "wk": ("self_attn.k_proj.weight", 1),
-    "wv": ("self_attn.v_proj.weight", 1),
-    "wo": ("self_attn.o_proj.weight", 2),
-    "bq": ("self_attn.q_proj.bias", None),
-    "bk": ("self_attn.k_proj.bias", None),
-    "bv": ("self_attn.v_proj.bias", None),
-    "bo": ("self_attn.o_proj.bias", None),
-    "q_norm": ("self_attn.q_norm.weight", None),
-    "k_norm": ("self_attn.k_norm.weight", None),
-    "mlp_norm": ("post_attention_layernorm.weight", None),
-    "w_gate": ("mlp.gate_proj.weight", 1),
-    "w_up": ("mlp.up_proj.weight", 1),
-    "w_down": ("mlp.down_proj.weight", 1),
-}
-TOP_TENSORS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
-
-# The logical axes of each weight (a layer's without its leading "layers" axis).
-LAYER_AXES: dict[str, tuple[str, ...]] = {
-    "attn_norm": ("embed",), "wq": ("embed", "heads", "head_dim"), "wk": ("embed", "kv_heads", "head_dim"),
-    "wv": ("embed", "kv_heads", "head_dim"), "wo": ("heads", "head_dim", "embed"), "bq": ("heads", "head_dim"),
-    "bk": ("kv_heads", "head_dim"), "bv": ("kv_heads", "head_dim"), "bo": ("embed",), "q_norm": ("head_dim",),
-    "k_norm": ("head_dim",), "mlp_norm": ("embed",), "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"),
-    "w_down": ("mlp", "embed"),
-}
-TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("vocab", "embed")}
+def declared(tree: type) -> dict[str, dict]:
+    """The weight declarations of LayerParams or Params, by field name (layers excluded)."""
+    return {f.name: dict(f.metadata) for f in dataclasses.fields(tree) if "axes" in f.metadata}
 
 
-def layer_shapes(config: Config) -> dict[str, tuple[int, ...]]:
-    """The shape of one layer's tensors (no layer axis), only the ones this config has."""
-    d, f, h, g, k = (config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
-                     config.head_dim)
-    shapes = {
-        "attn_norm": (d,), "wq": (d, h, k), "wk": (d, g, k), "wv": (d, g, k), "wo": (h, k, d),
-        "mlp_norm": (d,), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d),
-    }
-    if config.qkv_bias:
-        shapes |= {"bq": (h, k), "bk": (g, k), "bv": (g, k)}
-    if config.o_bias:
-        shapes["bo"] = (d,)
-    if config.qk_norm:
-        shapes |= {"q_norm": (k,), "k_norm": (k,)}
-    return shapes
+def present(config: Config, when: str | None) -> bool:
+    """Whether a weight declared under `when` exists in this config."""
+    return when is None or (not config.tie_word_embeddings if when == "untied" else getattr(config, when))
+
+
+def axis_sizes(config: Config) -> dict[str, int]:
+    return {"vocab": config.vocab_size, "embed": config.hidden_size, "heads": config.num_heads,
+            "kv_heads": config.num_kv_heads, "head_dim": config.head_dim, "mlp": config.intermediate_size,
+            "layers": config.num_layers}
+
+
+def param_axes(config: Config) -> dict[str, tuple[str, ...]]:
+    """The logical axes of every weight this config has, by flat name, in `flatten_params`'s order."""
+    axes = {}
+    for name, d in declared(Params).items():
+        if name == "final_norm":  # the layers come between embed and final_norm, as the fields do
+            axes |= {f"layers.{field}": ("layers", *e["axes"]) for field, e in declared(LayerParams).items()
+                     if present(config, e["when"])}
+        if present(config, d["when"]):
+            axes[name] = d["axes"]
+    return axes
 
 
 def param_shapes(config: Config) -> Params:
     """The tree of shapes (tuples as leaves) this config's params have."""
-    top = {"embed": (config.vocab_size, config.hidden_size), "final_norm": (config.hidden_size,)}
-    if not config.tie_word_embeddings:
-        top["lm_head"] = (config.vocab_size, config.hidden_size)
-    layers = {name: (config.num_layers, *shape) for name, shape in layer_shapes(config).items()}
-    return Params(layers=LayerParams(**layers), **top)
+    sizes = axis_sizes(config)
+    return unflatten_params({name: tuple(sizes[a] for a in axes) for name, axes in param_axes(config).items()})
 
 
-def param_axes(config: Config) -> dict[str, tuple[str, ...]]:
-    """The logical axes of every weight this config has, by flat name (`flatten_params`'s names)."""
-    names = flatten_params(param_shapes(config))
-    return {name: ("layers", *LAYER_AXES[name.removeprefix("layers.")]) if name.startswith("layers.") else TOP_AXES[name]
-            for name in names}
+def layer_shapes(config: Config) -> dict[str, tuple[int, ...]]:
+    """The shape of one layer's tensors (no layer axis), only the ones this config has."""
+    stacked = flatten_params(param_shapes(config).layers)
+    return {name: shape[1:] for name, shape in stacked.items()}
 
 
 def hf_tensor_names(config: Config) -> list[str]:
     """Every transformers tensor name this config reads or writes."""
-    names = [TOP_TENSORS[name] for name in ("embed", "final_norm", "lm_head")
-             if name != "lm_head" or not config.tie_word_embeddings]
-    for i in range(config.num_layers):
-        names += [f"model.layers.{i}.{LAYER_TENSORS[field][0]}" for field in layer_shapes(config)]
-    return names
+    top = [d["hf_name"] for d in declared(Params).values() if present(config, d["when"])]
+    return top + [f"model.layers.{i}.{declared(LayerParams)[field]['hf_name']}" for i in range(config.num_layers)
+                  for field in layer_shapes(config)]
 
 
 def checked(name: str, tensor: np.ndarray, expected: tuple[int, ...]) -> np.ndarray:
@@ -159,37 +138,35 @@ def params_from_hf(
     array) turns each of our stacked numpy arrays into a device array (dtype cast, placement);
     on_tensor reports progress.
     """
+    shapes = flatten_params(param_shapes(config))
+    top, layers = declared(Params), declared(LayerParams)
 
-    def top(field: str) -> jax.Array:
-        shape = getattr(param_shapes(config), field)
-        name = TOP_TENSORS[field]
-        on_tensor(name)
-        return convert(field, checked(name, read(name), shape))
-
-    def layer(field: str, shape: tuple[int, ...]) -> jax.Array:
-        suffix, input_axes = LAYER_TENSORS[field]
+    def tensor(name: str) -> np.ndarray:
+        if not name.startswith("layers."):
+            on_tensor(top[name]["hf_name"])
+            return checked(top[name]["hf_name"], read(top[name]["hf_name"]), shapes[name])
+        field = layers[name.removeprefix("layers.")]
         stacked = []
         for i in range(config.num_layers):
-            name = f"model.layers.{i}.{suffix}"
-            on_tensor(name)
-            stacked.append(from_hf_layer_tensor(name, read(name), shape, input_axes))
-        return convert(f"layers.{field}", np.stack(stacked))
+            hf_name = f"model.layers.{i}.{field['hf_name']}"
+            on_tensor(hf_name)
+            stacked.append(from_hf_layer_tensor(hf_name, read(hf_name), shapes[name][1:], field["inputs"]))
+        return np.stack(stacked)
 
-    layers = LayerParams(**{field: layer(field, shape) for field, shape in layer_shapes(config).items()})
-    lm_head = None if config.tie_word_embeddings else top("lm_head")
-    return Params(embed=top("embed"), layers=layers, final_norm=top("final_norm"), lm_head=lm_head)
+    return unflatten_params({name: convert(name, tensor(name)) for name in shapes})
 
 
 def params_to_hf(params: Params, config: Config) -> dict[str, np.ndarray]:
     """The transformers state dict of these params (numpy, in the params' dtype)."""
-    state = {TOP_TENSORS["embed"]: np.asarray(params.embed), TOP_TENSORS["final_norm"]: np.asarray(params.final_norm)}
-    if params.lm_head is not None:
-        state[TOP_TENSORS["lm_head"]] = np.asarray(params.lm_head)
-    for field in layer_shapes(config):
-        suffix, input_axes = LAYER_TENSORS[field]
-        stacked = np.asarray(getattr(params.layers, field))
-        for i in range(config.num_layers):
-            state[f"model.layers.{i}.{suffix}"] = to_hf_layer_tensor(stacked[i], input_axes)
+    top, layers = declared(Params), declared(LayerParams)
+    state = {}
+    for name, array in flatten_params(params).items():
+        if not name.startswith("layers."):
+            state[top[name]["hf_name"]] = np.asarray(array)
+            continue
+        field = layers[name.removeprefix("layers.")]
+        for i, layer in enumerate(np.asarray(array)):
+            state[f"model.layers.{i}.{field['hf_name']}"] = to_hf_layer_tensor(layer, field["inputs"])
     return state
 
 
@@ -203,7 +180,7 @@ def flatten_params(tree: Params | LayerParams, prefix: str = "") -> dict[str, ja
     flat = {}
     for field in dataclasses.fields(tree):
         value = getattr(tree, field.name)
-        if isinstance(value, tuple):
+        if field.name == "layers" and isinstance(value, tuple):
             for i, layer in enumerate(value):
                 flat |= flatten_params(layer, f"{prefix}{field.name}.{i}.")
         elif dataclasses.is_dataclass(value):
@@ -226,12 +203,26 @@ def unflatten_params(flat: dict[str, jax.Array]) -> Params:
     return Params(layers=tuple(LayerParams(**fields) for fields in per_layer), **top)
 
 
-def unstack_layers(params: Params) -> Params:
-    """The same weights with `layers` as a tuple of per-layer LayerParams (no layer axis).
+def unstacks_layers(platform: str) -> bool:
+    """The one hardware switch: whether the decode programs take per-layer weights (else the stacked ones).
 
-    The forward unrolls its layers over such params; on XLA:CPU that decodes faster than the scan
-    over the stacked arrays, whose per-layer slices are copied before every product.
+    XLA:CPU copies a layer's slice of a stacked weight before each product, which costs more than the
+    products themselves in decode (benchmarks/RESULTS.md), while per-layer views of the stacked
+    arrays cost it nothing (`unstack_layers`). GPUs and TPUs read the stacked weights inside the
+    program; unstacking there would copy them.
     """
+    return platform == "cpu"
+
+
+def decode_params(params: Params) -> Params:
+    """The params the cached programs take on these params' platform: `unstack_layers` views where
+    `unstacks_layers`, else the stacked params themselves (nothing copied)."""
+    platform = next(iter(params.embed.devices())).platform
+    return unstack_layers(params) if unstacks_layers(platform) else params
+
+
+def unstack_layers(params: Params) -> Params:
+    """The same weights with `layers` as a tuple of per-layer LayerParams (no layer axis)."""
     leaves, treedef = jax.tree.flatten(params.layers)
     slices = [layer_slices(leaf) for leaf in leaves]
     count = len(slices[0])
@@ -239,13 +230,17 @@ def unstack_layers(params: Params) -> Params:
 
 
 def layer_slices(stacked: jax.Array) -> list[jax.Array]:
-    """stacked [L, ...] as L arrays: on a single CPU device views of its memory (`np.asarray` exposes
-    that memory and `device_put` may alias host memory there), else copies."""
-    devices = stacked.devices()
-    if len(devices) == 1 and next(iter(devices)).platform == "cpu":
-        host = np.asarray(stacked)
-        return [jax.device_put(layer, stacked.sharding, may_alias=True) for layer in host]
-    return list(stacked)
+    """stacked [L, ...] as L arrays [...], sharded as it is: on CPU devices views of each shard's
+    memory (`np.asarray` exposes it and `device_put` may alias host memory there), elsewhere copies."""
+    if any(device.platform != "cpu" for device in stacked.devices()):
+        return list(stacked)
+    sharding = stacked.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):  # the layer axis is never split
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+    shards = [(shard.device, np.asarray(shard.data)) for shard in stacked.addressable_shards]
+    return [jax.make_array_from_single_device_arrays(
+        stacked.shape[1:], sharding, [jax.device_put(view[layer], device, may_alias=True) for device, view in shards])
+        for layer in range(stacked.shape[0])]
 
 
 def count(params: Params | Mapping) -> int:

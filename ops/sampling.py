@@ -45,12 +45,14 @@ def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
-def sample(logits: jax.Array, params: SamplingParams, step: jax.Array) -> jax.Array:
-    """The next token of each row: int32 [B]. logits: [B, V] float32; step: the decode step (a key salt)."""
+def sample(logits: jax.Array, params: SamplingParams, step: jax.Array | int) -> jax.Array:
+    """The next token of each row: int32 [B]. logits: [B, V] float32; step: [B] or one for every row,
+    folded into each row's key (a row's draw depends on its own key and step only)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw():
-        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(params.keys, step)
+        steps = jnp.broadcast_to(jnp.asarray(step, jnp.int32), greedy.shape)
+        keys = jax.vmap(jax.random.fold_in)(params.keys, steps)
         drawn = jax.vmap(jax.random.categorical)(keys, filtered_logits(logits, params)).astype(jnp.int32)
         return jnp.where(params.temperature > 0, drawn, greedy)
 

@@ -32,9 +32,10 @@ OPS_SOURCES: dict[str, list[str]] = {
     "linnet_jax.ops.mlp": ["swiglu"],
 }
 MODEL_SOURCES: dict[str, list[str]] = {
-    "linnet_jax.models.params": ["LayerParams", "Params", "unflatten_params", "unstack_layers", "layer_slices"],
-    "linnet_jax.models.decoder": ["KVCache", "init_cache", "unstack_cache", "project_qkv", "write_rows", "update_cache",
-                                  "append_positions", "decoder_layer", "forward"],
+    "linnet_jax.models.params": ["weight", "LayerParams", "Params", "unflatten_params", "unstack_layers",
+                                 "layer_slices"],
+    "linnet_jax.models.decoder": ["KVCache", "init_cache", "project_qkv", "ring_write", "update_cache",
+                                  "record_positions", "advance", "decoder_layer", "forward", "layer_params"],
     "linnet_jax.generate": ["MIN_BUCKET", "bucket", "left_pad"],
 }
 
@@ -67,26 +68,41 @@ def load_weights(path=None) -> Params:
 
 
 @functools.partial(jax.jit, donate_argnums=3)
-def step(params: Params, tokens: jax.Array, positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-    """Feed tokens [B, T] at positions [B, T] through the cache: (float32 logits [B, V] of the last, cache)."""
+def _step(params: Params, tokens: jax.Array, positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
     logits_at = jnp.full((tokens.shape[0],), tokens.shape[1] - 1)
     logits, cache = forward(params, CONFIG, tokens, positions, cache, logits_at)
     return logits[:, 0], cache
 
 
+def step(params: Params, tokens, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Feed tokens [B, T] at positions [B, T] through the cache: (float32 logits [B, V] of the last, cache).
+
+    A ValueError when an id is outside the vocabulary, or when the T slots at the cache's cursor still hold
+    a token of some row (the cache is full: writing would overwrite it)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and not (0 <= tokens.min() and tokens.max() < CONFIG.vocab_size):
+        raise ValueError(f"token ids must be in [0, {CONFIG.vocab_size}), got {tokens.min()}..{tokens.max()}")
+    slots = (int(cache.cursor) + np.arange(tokens.shape[1])) % cache.max_len
+    if (np.asarray(cache.positions)[:, slots] >= 0).any():
+        raise ValueError(f"the cache is full: its {cache.max_len} slots per row cannot take {tokens.shape[1]} more "
+                         "tokens (make a larger cache with init_cache)")
+    return _step(params, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), cache)
+
+
 def generate(params: Params, token_ids: list[int], max_new_tokens: int, stop_ids=EOS_TOKEN_IDS) -> list[int]:
     """Greedy continuation of one prompt: up to max_new_tokens new ids, ending before the first stop id.
 
-    The layers run unrolled over per-layer weights and cache arrays (`unstack_layers`, `unstack_cache`),
-    which decodes faster on XLA:CPU than the scan over the stacked ones.
+    The layers run unrolled over per-layer weights (`unstack_layers`), as linnet_jax decodes on XLA:CPU.
     """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not token_ids or len(token_ids) + max_new_tokens > CONFIG.max_position_embeddings:
         raise ValueError(f"a prompt of {len(token_ids)} ids plus {max_new_tokens} new tokens does not fit the "
                          f"context of {CONFIG.max_position_embeddings} positions (nor may the prompt be empty)")
     prompt_len = bucket(len(token_ids))
     tokens, positions = left_pad([token_ids], prompt_len)
     params = unstack_layers(params)
-    cache = unstack_cache(init_cache(CONFIG, 1, bucket(prompt_len + max_new_tokens), params.embed.dtype))
+    cache = init_cache(CONFIG, 1, bucket(prompt_len + max_new_tokens), params.embed.dtype)
     logits, cache = step(params, tokens, positions, cache)
     new = [int(jnp.argmax(logits[0]))]
     while len(new) < max_new_tokens and new[-1] not in stop_ids:

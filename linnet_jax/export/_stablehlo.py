@@ -3,12 +3,11 @@
 The programs are `models.forward` itself, wrapped so that their arguments are plain containers and
 a loader needs jax (with flatbuffers), numpy and safetensors, not linnet_jax:
 
-    weights  {name: array}, the names of `models.params.flatten_params`: per layer on one device
-             ("embed", "layers.0.wq", ..., "layers.29.w_down", "final_norm"), so that the programs unroll
-             the layers over arrays read where they lie, as generate does (on XLA:CPU a step over the
-             stacked arrays copies each layer's slices first); stacked ("layers.wq", ...) when sharded
-    cache    {"k.0", ..., "v.0", ..., "positions", "lengths"} ("k", "v" stacked when sharded), as
-             `init_cache` (and `unstack_cache`) make them (manifest: shape, dtype, fill)
+    weights  {name: array}, the per-layer names of `models.params.flatten_params` ("embed", "layers.0.wq",
+             ..., "layers.29.w_down", "final_norm"): the programs unroll the layers over arrays read
+             where they lie, as generate's do on XLA:CPU, and any platform reads per-layer arrays as well
+    cache    {"k.0", ..., "v.0", ..., "positions", "cursor"}, as `init_cache` makes them (manifest: shape,
+             dtype, fill): a ring of max_len slots per row with one write cursor
     prefill_T{T}: (weights, tokens [B, T] int32, positions [B, T] int32, cache) -> (logits [B, V] float32, cache)
              one per prompt bucket T; left padding has position -1; logits are the last position's
     decode:  (weights, token [B] int32, position [B] int32, cache) -> (logits [B, V] float32, cache)
@@ -37,7 +36,7 @@ from tqdm import tqdm  # the text bar: tqdm.auto needs ipywidgets in notebooks
 from linnet_jax.export._common import generation_config, prepare_target, write_json, write_model_files
 from linnet_jax.generate import bucket
 from linnet_jax.models import Config, KVCache, Params, forward, init_cache
-from linnet_jax.models.decoder import unstack_cache
+
 from linnet_jax.models.params import flatten_params, unflatten_params, unstack_layers
 from linnet_jax.sharding import Layout, host
 
@@ -62,12 +61,8 @@ def stablehlo(model, out_dir, *, batch: int = 1, max_len: int = 1024, platforms=
     target = prepare_target(out_dir, overwrite)
     target.mkdir(exist_ok=True)
     layout = model.layout
-    # One device: per-layer weights and cache arrays, the unrolled layers generate decodes with (faster on
-    # XLA:CPU than slicing stacked arrays); sharded: the stacked ones under lax.scan, as generate runs them.
-    unrolled = layout is None
-    weights = save_weights(unstack_layers(model.params) if unrolled else model.params, target / WEIGHTS)
-    empty = lambda: init_cache(config, batch, max_len, model.params.embed.dtype)  # noqa: E731
-    cache = jax.eval_shape(lambda: cache_dict(unstack_cache(empty()) if unrolled else empty()))
+    weights = save_weights(unstack_layers(model.params), target / WEIGHTS)
+    cache = jax.eval_shape(lambda: cache_dict(init_cache(config, batch, max_len, model.params.embed.dtype)))
     programs = {f"prefill_T{t}": ((batch, t), last_logits) for t in buckets} | {"decode": ((batch,), decode_step)}
     placed = None if layout is None else Placement.of(layout, config, batch, max_len)
     specs = {}
@@ -108,7 +103,13 @@ class Placement:
 
     @classmethod
     def of(cls, layout: Layout, config: Config, batch: int, max_len: int) -> "Placement":
-        return cls(layout, layout.param_shardings(config), layout.cache_shardings(config, batch, max_len))
+        stacked = layout.param_shardings(config)
+        weights = {name: stacked[name] for name in stacked if not name.startswith("layers.")}
+        for name, sharding in stacked.items():  # each layer's weight: the stacked one's sharding, less the layer axis
+            if name.startswith("layers."):
+                per_layer = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+                weights |= {f"layers.{i}.{name.removeprefix('layers.')}": per_layer for i in range(config.num_layers)}
+        return cls(layout, weights, cache_dict(layout.cache_shardings(config, batch, max_len)))
 
     def ids(self, shape: tuple[int, ...]) -> jax.sharding.NamedSharding:
         """tokens and positions: [B, T] by ("batch", "seq"), or [B] by ("batch",) for decode."""
@@ -169,7 +170,7 @@ def spec_of(arrays: dict, shardings: dict | None = None) -> dict[str, jax.ShapeD
 
 
 def cache_dict(cache: KVCache) -> dict[str, jax.Array]:
-    """The cache as a plain dict of its fields; unstacked keys and values as "k.0", "k.1", ..., "v.0", ..."""
+    """The cache as a plain dict of its fields, the per-layer keys and values as "k.0", "k.1", ..., "v.0", ..."""
     fields = {field.name: getattr(cache, field.name) for field in dataclasses.fields(cache)}
     return {f"{name}.{i}" if isinstance(value, tuple) else name: item
             for name, value in fields.items() for i, item in enumerate(value if isinstance(value, tuple) else [value])}
@@ -179,7 +180,7 @@ def dict_cache(arrays: dict[str, jax.Array]) -> KVCache:
     """The inverse of cache_dict."""
     def field(name: str):
         layers = sorted((int(key.split(".")[1]), array) for key, array in arrays.items() if key.startswith(f"{name}."))
-        return tuple(array for _, array in layers) if layers else arrays[name]
+        return tuple(array for _, array in layers) if name in ("k", "v") else arrays[name]
 
     return KVCache(**{f.name: field(f.name) for f in dataclasses.fields(KVCache)})
 
@@ -225,4 +226,4 @@ def cache_manifest(config: Config, cache: dict[str, jax.ShapeDtypeStruct]) -> di
     """Each cache array's shape, dtype and the value init_cache fills it with (a loader makes it with numpy)."""
     one_slot = cache_dict(init_cache(config, 1, 1, next(iter(cache.values())).dtype))
     return {name: {"shape": list(spec.shape), "dtype": str(spec.dtype),
-                   "fill": np.asarray(one_slot[name.split(".")[0]]).flat[0].item()} for name, spec in cache.items()}
+                   "fill": np.asarray(one_slot[name]).flat[0].item()} for name, spec in cache.items()}
