@@ -220,7 +220,7 @@ def new_slots(model: Model, batch: int, max_len: int) -> Slots:
     args = (model.config, batch, max_len, STOP_ID_SLOTS, model.params.embed.dtype)
     if model.layout is None:
         return empty_slots(*args)
-    shapes = jax.eval_shape(empty_slots, *args)
+    shapes = jax.eval_shape(lambda: empty_slots(*args))
     shardings = jax.tree.map(lambda _: model.layout.replicated(), shapes)
     shardings = shardings.replace(cache=model.layout.cache_shardings(model.config, batch, max_len))
     return jax.jit(empty_slots, static_argnums=range(5), out_shardings=shardings)(*args)

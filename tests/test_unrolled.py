@@ -1,4 +1,4 @@
-"""The unrolled forward (params from `unstack_layers`, a cache from `unstack_cache`) equals the scanned one."""
+"""Per-layer weights (`unstack_layers`, what XLA:CPU's programs take) give what the stacked ones give."""
 
 import jax
 import jax.numpy as jnp
@@ -7,13 +7,13 @@ import pytest
 
 import linnet_jax
 from linnet_jax.models import forward, init_cache
-from linnet_jax.models.decoder import unstack_cache
-from linnet_jax.models.params import unstack_layers
+from linnet_jax.models.params import decode_params, unstack_layers, unstacks_layers
 
 
-def prefill_then_decode(model, params, cache, ids: np.ndarray, positions: np.ndarray, prefill: int) -> np.ndarray:
+def prefill_then_decode(model, params, ids: np.ndarray, positions: np.ndarray, prefill: int) -> np.ndarray:
     """Logits of a prefill of `prefill` tokens, then of one token at a time through the cache: [B, T, V]."""
     step = jax.jit(forward, static_argnums=1)
+    cache = init_cache(model.config, ids.shape[0], 64)
     out, cache = step(params, model.config, jnp.asarray(ids[:, :prefill]), positions[:, :prefill], cache)
     outs = [np.asarray(out)]
     for t in range(prefill, ids.shape[1]):
@@ -23,7 +23,7 @@ def prefill_then_decode(model, params, cache, ids: np.ndarray, positions: np.nda
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_llama3", "mistral_sliding", "qwen2_bias_tied", "qwen3_qk_norm"])
-def test_unrolled_equals_scanned(name, tiny_dir):
+def test_per_layer_weights_equal_stacked(name, tiny_dir):
     _, directory = tiny_dir(name)
     model = linnet_jax.load(directory, progress=False)
     unrolled = unstack_layers(model.params)
@@ -33,15 +33,14 @@ def test_unrolled_equals_scanned(name, tiny_dir):
     full = jax.jit(forward, static_argnums=1)
     assert np.abs(np.asarray(full(unrolled, model.config, ids, positions)[0])
                   - np.asarray(full(model.params, model.config, ids, positions)[0])).max() < 1e-5
-    cache = init_cache(model.config, 2, 64)
-    scanned = prefill_then_decode(model, model.params, cache, ids, positions, prefill=24)
-    got = prefill_then_decode(model, unrolled, unstack_cache(cache), ids, positions, prefill=24)
-    assert np.abs(got - scanned).max() < 1e-5
+    stacked = prefill_then_decode(model, model.params, ids, positions, prefill=24)
+    got = prefill_then_decode(model, unrolled, ids, positions, prefill=24)
+    assert np.abs(got - stacked).max() < 1e-5
 
 
-def test_unstacked_cache_needs_unstacked_params(tiny_dir):
-    _, directory = tiny_dir("llama_mha")
-    model = linnet_jax.load(directory, progress=False)
-    cache = unstack_cache(init_cache(model.config, 1, 16))
-    with pytest.raises(ValueError, match="unstack_layers"):
-        forward(model.params, model.config, jnp.zeros((1, 4), jnp.int32), jnp.arange(4)[None], cache)
+def test_the_platform_switch(tiny_dir):
+    model = linnet_jax.load(tiny_dir("llama_mha")[1], progress=False)
+    assert unstacks_layers("cpu") and not unstacks_layers("gpu") and not unstacks_layers("tpu")
+    views = decode_params(model.params)  # on this CPU: per-layer arrays that share the stacked ones' memory
+    assert isinstance(views.layers, tuple)
+    assert np.shares_memory(np.asarray(views.layers[1].wq), np.asarray(model.params.layers.wq))

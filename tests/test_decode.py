@@ -1,0 +1,167 @@
+"""The decode core (`linnet_jax.decode`): batch-independent steps, slot independence, capacity, the platform switch."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_generate import agreed_steps, reference_greedy
+
+import linnet_jax
+from linnet_jax import generate
+from linnet_jax.decode import FREE, LENGTH, RUNNING, decode, empty_slots, free, insert, prefill
+from linnet_jax.generate import (STOP_ID_SLOTS, bucket, left_pad, make_requests, make_sampling, new_slots,
+                                 stop_id_array)
+from linnet_jax.sharding import host
+
+UPDATE_OPS = ("stablehlo.dynamic_update_slice", "stablehlo.scatter")
+
+
+@dataclasses.dataclass
+class Job:
+    """One request for the hand-driven scheduler below."""
+
+    prompt: list[int]
+    max_new: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def request(self, model):
+        sampling = make_sampling(1, self.temperature, self.top_k, self.top_p, 0.0, 1.0, [self.seed])
+        return make_requests(sampling, stop_id_array(model, None, ignore_eos=True), self.max_new)
+
+    def alone(self, model):
+        return generate(model, tokens=[self.prompt], max_new_tokens=self.max_new, temperature=self.temperature,
+                        top_k=self.top_k, top_p=self.top_p, seed=[self.seed], ignore_eos=True, return_details=True)[0]
+
+
+def admit(model, slots, slot: int, job: Job, max_len: int):
+    tokens, positions = left_pad([job.prompt], bucket(len(job.prompt)))
+    return insert(prefill(model.decode_params, model.config, tokens, positions, job.request(model), max_len), slots,
+                  slot)
+
+
+def serve(model, jobs: list[Job], rows: int, max_len: int, chunk: int) -> dict[int, tuple[list[int], list[float]]]:
+    """Run the jobs through a `rows`-slot state: admit into free slots, decode `chunk` steps, free the finished.
+    Checks on the way that an idle row's cache is never written."""
+    slots, queue, owner, out = new_slots(model, rows, max_len), list(enumerate(jobs)), [None] * rows, {}
+    while queue or any(o is not None for o in owner):
+        for slot in range(rows):
+            if owner[slot] is None and queue:
+                owner[slot], job = queue.pop(0)
+                slots = admit(model, slots, slot, job, max_len)
+                out[owner[slot]] = ([int(slots.token[slot])], [float(slots.logprob[slot])])
+        idle = [slot for slot in range(rows) if owner[slot] is None]
+        heads = model.config.num_kv_heads
+        before = [np.asarray(slots.cache.k[0][s * heads:(s + 1) * heads]).copy() for s in idle]
+        slots, emitted = decode(model.decode_params, model.config, slots, np.int32(chunk), chunk)
+        for slot, saved in zip(idle, before):
+            assert np.array_equal(np.asarray(slots.cache.k[0][slot * heads:(slot + 1) * heads]), saved)
+            assert host(slots.finish)[slot] == FREE
+        tokens, logprobs, counts, finish = (host(a) for a in (emitted.tokens, emitted.logprobs, emitted.count,
+                                                               slots.finish))
+        for slot, job_id in enumerate(owner):
+            if job_id is None:
+                continue
+            out[job_id][0].extend(tokens[slot, :counts[slot]].tolist())
+            out[job_id][1].extend(logprobs[slot, :counts[slot]].tolist())
+            if finish[slot] != RUNNING:
+                slots, owner[slot] = free(slots, slot), None
+    return out
+
+
+def test_slots_are_independent(tiny_dir):
+    model = linnet_jax.load(tiny_dir("llama_gqa_llama3")[1], progress=False)
+    rng = np.random.default_rng(9)
+    jobs = []
+    for i in range(16):
+        prompt = rng.integers(3, model.config.vocab_size, int(rng.integers(2, 40))).tolist()
+        sampled = dict(temperature=0.8, top_k=40, top_p=0.95, seed=int(rng.integers(-2**40, 2**40))) if i % 2 else {}
+        jobs.append(Job(prompt, int(rng.integers(1, 24)), **sampled))
+    served = serve(model, jobs, rows=4, max_len=64, chunk=3)
+    for i, job in enumerate(jobs):
+        alone = job.alone(model)
+        assert served[i][0] == alone.tokens, f"request {i} ({job})"
+        assert np.abs(np.array(served[i][1]) - alone.logprobs).max() < 1e-5
+        assert len(alone.tokens) == job.max_new and alone.stop_reason == "length"
+
+
+def test_seed_per_prompt_is_the_same_alone_and_at_any_row(tiny_dir):
+    model = linnet_jax.load(tiny_dir("llama_mha")[1], progress=False)
+    a, b, c = [5, 6, 7], [9, 10, 11, 12, 13], [30, 31]
+    sampled = dict(max_new_tokens=12, temperature=1.0, ignore_eos=True)
+    batch = generate(model, tokens=[a, b, c], seed=[1, 2, 3], **sampled)
+    assert batch[1] == generate(model, tokens=[b], seed=[2], **sampled)[0] == generate(model, tokens=[b], seed=2,
+                                                                                          **sampled)[0]
+    assert generate(model, tokens=[c, b], seed=[3, 2], **sampled) == [batch[2], batch[1]]
+    assert generate(model, tokens=[b], seed=2**40, **sampled) != generate(model, tokens=[b], seed=0, **sampled)
+    one_seed = generate(model, tokens=[b, b], seed=2, **sampled)
+    assert one_seed[0] != one_seed[1]  # a single seed: each row its own stream
+
+
+def update_ops(model, batch: int) -> int:
+    slots = jax.eval_shape(lambda: empty_slots(model.config, batch, 64, STOP_ID_SLOTS, model.params.embed.dtype))
+    text = decode.lower(model.decode_params, model.config, slots, np.int32(4), 4).as_text()
+    return sum(len(re.findall(rf"{op}\b", text)) for op in UPDATE_OPS)
+
+
+def test_decode_step_update_ops_do_not_grow_with_rows(tiny_dir):
+    model = linnet_jax.load(tiny_dir("llama_gqa_llama3")[1], progress=False)
+    one, many = update_ops(model, 1), update_ops(model, 64)
+    print(f"cache-update ops in the decode program: batch 1 {one}, batch 64 {many}")
+    assert one == many
+    assert one >= 2 * model.config.num_layers  # every layer's keys and values are written
+
+
+def test_decode_to_the_last_cache_slot(tiny_dir):
+    reference, directory = tiny_dir("llama_gqa_llama3")
+    model = linnet_jax.load(directory, progress=False)
+    max_len, prompt = 32, np.random.default_rng(3).integers(3, 256, 10).tolist()
+    slots = new_slots(model, 2, max_len)
+    slots = admit(model, slots, 0, Job([4, 5, 6], 13), max_len)  # moves the cursor: the long row will wrap
+    slots, _ = decode(model.decode_params, model.config, slots, np.int32(13), 16)
+    slots = admit(model, slots, 1, Job(prompt, 100), max_len)
+    first = int(slots.token[1])
+    slots, emitted = decode(model.decode_params, model.config, slots, np.int32(100), 128)
+    ours = [first] + host(emitted.tokens)[1, :host(emitted.count)[1]].tolist()
+    assert host(slots.finish)[1] == LENGTH and len(prompt) + len(ours) == max_len
+    row = np.sort(host(slots.cache.positions)[1])
+    assert row.tolist() == [-1] + list(range(max_len - 1))  # every slot used once, the last token never written
+    theirs, gaps = reference_greedy(reference, prompt, len(ours))
+    compared, agree = agreed_steps(ours, theirs, gaps)
+    assert agree == compared and compared >= 16
+    alone = generate(model, tokens=[prompt], max_new_tokens=len(ours), max_len=max_len, return_details=True,
+                     ignore_eos=True)[0]
+    assert alone.tokens == ours and alone.stop_reason == "length"
+
+
+def test_gpu_tpu_path_makes_no_second_copy_of_the_weights(smollm2, monkeypatch):
+    monkeypatch.setattr(linnet_jax.models.params, "unstacks_layers", lambda platform: False)
+    model = dataclasses.replace(smollm2)  # a fresh Model: its decode params are made under the forced switch
+    weights = sum(leaf.nbytes for leaf in jax.tree.leaves(model.params))
+    live = lambda: sum(array.nbytes for array in jax.live_arrays())  # noqa: E731
+    before = live()
+    grown = [live() - before for _ in generate(model, "Count to ten.", max_new_tokens=24, stream=True)]
+    assert model.decode_params is model.params
+    print(f"live bytes beyond the weights while streaming: at most {max(grown) / 2**20:.1f} MiB "
+          f"(weights {weights / 2**20:.0f} MiB)")
+    assert len(grown) > 2 and max(grown) < weights / 4
+
+
+def test_free_empties_a_slot(tiny_dir):
+    model = linnet_jax.load(tiny_dir("llama_mha")[1], progress=False)
+    slots = admit(model, new_slots(model, 2, 32), 1, Job([3, 4, 5], 8), 32)
+    assert host(slots.finish).tolist() == [FREE, RUNNING]
+    slots = free(slots, 1)
+    assert host(slots.finish).tolist() == [FREE, FREE] and (host(slots.cache.positions) == -1).all()
+
+
+@pytest.mark.parametrize("bad", [2**63, -(2**63) - 1, 1.5, True, "7"])
+def test_seeds_outside_signed_64_bit_are_refused(tiny_dir, bad):
+    model = linnet_jax.load(tiny_dir("llama_mha")[1], progress=False)
+    with pytest.raises(ValueError, match="seed must be"):
+        generate(model, tokens=[[1, 2]], max_new_tokens=2, seed=bad)
