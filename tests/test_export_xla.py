@@ -163,8 +163,8 @@ open("sharded_ids.json", "w").write(json.dumps(ids))
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["mesh"] == {"axis_names": ["data", "fsdp", "tensor"], "axis_sizes": [2, 1, 4]}
     specs = {t["name"]: t["spec"] for t in manifest["weights"]["tensors"]}
-    assert specs["layers.wq"] == [None, None, "tensor", None] and specs["final_norm"] == [None]
-    assert manifest["cache"]["k"]["spec"] == [None, ["data", "fsdp", "tensor"], None, None]
+    assert specs["layers.0.wq"] == [None, "tensor", None] and specs["final_norm"] == [None]  # per layer
+    assert manifest["cache"]["k.1"]["spec"] == [["data", "fsdp", "tensor"], None, None]
     assert manifest["cache"]["positions"]["spec"] == [["data", "fsdp"], None]
     assert manifest["prefill"]["32"]["specs"] == {"tokens": [["data", "fsdp"], None],
                                                   "positions": [["data", "fsdp"], None],
@@ -176,9 +176,9 @@ open("sharded_ids.json", "w").write(json.dumps(ids))
         assert 'sdy.mesh @mesh = <["data"=2, "fsdp"=1, "tensor"=4]>' in text and "mhlo.num_partitions = 8" in text
         t = "" if name == "decode" else f"x{name.removeprefix('prefill_T')}"  # decode's tokens are [B]
         batch_split = '{"data", "fsdp"}' + (", {}" if t else "")
-        for argument, shape, dims in (("weights['layers.wq']", "2x64x8x8xf32", '{}, {}, {"tensor"}, {}'),
+        for argument, shape, dims in (("weights['layers.0.wq']", "64x8x8xf32", '{}, {"tensor"}, {}'),
                                       ("weights['final_norm']", "64xf32", "{}"),
-                                      ("cache['v']", "2x8x8x64xf32", '{}, {"data", "fsdp", "tensor"}, {}, {}'),
+                                      ("cache['v.1']", "8x8x64xf32", '{"data", "fsdp", "tensor"}, {}, {}'),
                                       ("tokens" if t else "token", f"2{t}xi32", batch_split)):
             pattern = (re.escape(f"tensor<{shape}> {{sdy.sharding = #sdy.sharding<@mesh, [{dims}]>") +
                        r"[^}]*\} " + re.escape(f'loc("{argument}")'))
@@ -216,9 +216,9 @@ def test_jax_source_refuses_a_module_missing_a_definition(tiny_dir, monkeypatch)
     """A decoder function the list does not name (a new helper, say) is an error naming it, not a broken file."""
     model = linnet_jax.load(tiny_dir("qwen3_qk_norm")[1], progress=False)
     sources = dict(_jax_source.MODEL_SOURCES)
-    sources["linnet_jax.models.decoder"] = [n for n in sources["linnet_jax.models.decoder"] if n != "append_positions"]
+    sources["linnet_jax.models.decoder"] = [n for n in sources["linnet_jax.models.decoder"] if n != "record_positions"]
     monkeypatch.setattr(_jax_source, "MODEL_SOURCES", sources)
-    with pytest.raises(RuntimeError, match=r"uses \['append_positions'\] without defining"):
+    with pytest.raises(RuntimeError, match=r"uses \['record_positions'\] without defining"):
         _jax_source.module_source(model)
     source = "import math\nclass A:\n    x: B = math.pi\ndef f(y=C):\n    return [g(i) for i in y]\n"
     assert _jax_source.undefined_names(source) == {"B", "C", "g"}
