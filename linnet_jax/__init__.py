@@ -1,15 +1,28 @@
-"""linnet_jax: a JAX-native modeling framework for Llama-family LLMs."""
+"""linnet_jax: a JAX-native modeling framework for Llama-family LLMs.
 
-__version__ = "0.1.0"
+The exporters (`linnet_jax.export`) and the GGUF reader are imported when first used.
+"""
 
-from linnet_jax.load import DEFAULT_MODEL, load
+import importlib
+
+from linnet_jax._version import __version__
 from linnet_jax.checkpoint import save
-from linnet_jax.cli import enable_compilation_cache
+from linnet_jax.compilation import enable_compilation_cache
 from linnet_jax.generate import Generation, generate
+from linnet_jax.load import DEFAULT_MODEL, load
 from linnet_jax.model import Model, logits
 from linnet_jax.sharding import shard
 
+LAZY_SUBMODULES = ("export", "decode", "gguf", "tokenizer", "cli")
+
 __all__ = [
-    "DEFAULT_MODEL", "Generation", "Model", "__version__", "enable_compilation_cache", "generate", "load", "logits",
-    "save", "shard",
+    "DEFAULT_MODEL", "Generation", "Model", "__version__", "enable_compilation_cache", "export", "generate", "load",
+    "logits", "save", "shard",
 ]
+
+
+def __getattr__(name: str):
+    """`linnet_jax.export` (and the other submodules) on first use, so that importing linnet_jax stays light."""
+    if name in LAZY_SUBMODULES:
+        return importlib.import_module(f"linnet_jax.{name}")
+    raise AttributeError(f"module 'linnet_jax' has no attribute {name!r}")

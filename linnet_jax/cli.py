@@ -7,27 +7,12 @@ import sys
 import time
 from pathlib import Path
 
-import jax
-
+from linnet_jax.compilation import enable_compilation_cache
 from linnet_jax.models.config import DTYPES
 
 # --format -> the --dtype values it takes: for gguf the GGUF storage type, else the weights' dtype.
 EXPORT_DTYPES = {"stablehlo": DTYPES, "jax-source": DTYPES, "hf": DTYPES, "gguf": ("f32", "f16", "bf16", "q8_0")}
 GGUF_DEFAULT = "f16"
-
-
-def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path:
-    """Turn on JAX's persistent compilation cache, so a second run skips compiling. Returns its directory.
-
-    Default: $XDG_CACHE_HOME/linnet_jax/jax (~/.cache/linnet_jax/jax). Changes a global JAX setting,
-    which is why importing linnet_jax never calls it; the CLI does unless --no-compilation-cache.
-    """
-    if path is None:
-        path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "linnet_jax" / "jax"
-    path = Path(path).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    return path
 
 
 def parser() -> argparse.ArgumentParser:

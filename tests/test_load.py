@@ -110,6 +110,19 @@ def test_import_changes_no_global_jax_setting():
     assert result.returncode == 0, result.stderr
 
 
+def test_import_leaves_the_exporters_and_gguf_until_used():
+    script = (
+        "import sys\n"
+        "import linnet_jax\n"
+        "heavy = [m for m in sys.modules if m.split('.')[0] == 'gguf' or m.startswith(('linnet_jax.gguf', "
+        "'linnet_jax.export._', 'orbax')) and m != 'linnet_jax.export._common']\n"
+        "assert not heavy, heavy\n"
+        "assert callable(linnet_jax.export.hf) and callable(linnet_jax.export.gguf) and 'gguf' in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 

@@ -1,8 +1,16 @@
-"""Exports of a loaded Model: a Hugging Face checkpoint directory, a GGUF file, StableHLO and JAX source."""
+"""Exports of a loaded Model: a Hugging Face checkpoint directory, a GGUF file, StableHLO and JAX source.
 
-from linnet_jax.export._gguf import gguf
-from linnet_jax.export._hf import hf
-from linnet_jax.export._jax_source import jax_source
-from linnet_jax.export._stablehlo import stablehlo
+Each exporter's module is imported when it is first used (`linnet_jax.export.gguf` needs the gguf package).
+"""
 
-__all__ = ["gguf", "hf", "jax_source", "stablehlo"]
+import importlib
+
+EXPORTERS = {"gguf": "_gguf", "hf": "_hf", "jax_source": "_jax_source", "stablehlo": "_stablehlo"}
+
+__all__ = sorted(EXPORTERS)
+
+
+def __getattr__(name: str):
+    if name in EXPORTERS:
+        return getattr(importlib.import_module(f"linnet_jax.export.{EXPORTERS[name]}"), name)
+    raise AttributeError(f"module 'linnet_jax.export' has no attribute {name!r}")

@@ -1,0 +1,67 @@
+"""The decode core at batch 1, 4, 16 and 64: decode-program compile time, step time and tokens/s.
+
+    python benchmarks/decode_batch.py [--batches 1,4,16,64] [--prompt 128] [--new 64]
+
+SmolLM2 float32 (the embedded default model), every row a random prompt of --prompt ids, greedy, no eos.
+Each batch: B prompts prefilled and inserted into a B-slot state of bucket(prompt + new) slots, then one
+`decode` call of new - 1 steps (the loop on the device), timed after a warm-up call on the same shapes.
+Prints a markdown table (the numbers benchmarks/RESULTS.md keeps).
+"""
+
+import argparse
+import time
+
+import jax
+import numpy as np
+
+import linnet_jax
+from linnet_jax.decode import decode, insert, prefill
+from linnet_jax.generate import bucket, left_pad, make_requests, make_sampling, new_slots, stop_id_array
+
+
+def filled_state(model, batch: int, prompt: int, new: int, max_len: int):
+    """A state whose B rows each hold a random prompt and its first token."""
+    rng = np.random.default_rng(batch)
+    slots = new_slots(model, batch, max_len)
+    request = make_requests(make_sampling(1, 0.0, 0, 1.0, 0.0, 1.0, 0), stop_id_array(model, None, True), new)
+    for row in range(batch):
+        tokens, positions = left_pad([rng.integers(0, model.config.vocab_size, prompt).tolist()], bucket(prompt))
+        slots = insert(prefill(model.decode_params, model.config, tokens, positions, request, max_len), slots, row)
+    return slots
+
+
+def measure(model, batch: int, prompt: int, new: int) -> dict:
+    max_len, steps = bucket(prompt + new), new - 1
+    slots = filled_state(model, batch, prompt, new, max_len)
+    start = time.perf_counter()
+    decode.lower(model.decode_params, model.config, slots, np.int32(steps), bucket(steps)).compile()
+    compile_s = time.perf_counter() - start
+    jax.block_until_ready(decode(model.decode_params, model.config, slots, np.int32(steps), bucket(steps)))
+    slots = filled_state(model, batch, prompt, new, max_len)  # the warm-up consumed (donated) the first
+    start = time.perf_counter()
+    slots, emitted = decode(model.decode_params, model.config, slots, np.int32(steps), bucket(steps))
+    jax.block_until_ready(emitted)
+    wall = time.perf_counter() - start
+    assert (np.asarray(emitted.count) == steps).all()
+    return {"batch": batch, "compile_s": compile_s, "step_ms": 1e3 * wall / steps, "tok_s": batch * steps / wall}
+
+
+def main() -> None:
+    options = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    options.add_argument("--batches", default="1,4,16,64")
+    options.add_argument("--prompt", type=int, default=128)
+    options.add_argument("--new", type=int, default=64)
+    args = options.parse_args()
+    model = linnet_jax.load(progress=False)
+    rows = [measure(model, int(b), args.prompt, args.new) for b in args.batches.split(",")]
+    base = rows[0]
+    print(f"SmolLM2 float32, prompt {args.prompt} ids, {args.new} new tokens, greedy; {jax.devices()[0].platform}")
+    print("| batch | decode compile | vs batch 1 | step | tokens/s | vs batch 1 |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['compile_s']:.2f} s | {r['compile_s'] / base['compile_s']:.2f}× | "
+              f"{r['step_ms']:.1f} ms | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}× |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""`Engine`: continuous batching over fixed cache slots, on the decode core's primitives.
+
+One scheduler thread owns the decode state. Each iteration it
+  - frees the slots of finished and cancelled requests,
+  - admits queued requests into free slots (prefill in length buckets, then insert), at most
+    `prefills_per_step` of them, so that a burst of arrivals never starves the requests decoding,
+  - advances every busy slot `steps_per_dispatch` decode steps in one device call,
+  - hands each request its new tokens.
+Requests are submitted from any thread (`submit`), or from asyncio (`Handle.__aiter__`); a full
+queue refuses a request (`QueueFull`) rather than buffering it without bound. A request's tokens
+are the ones `generate` gives for the same arguments: everything it owns lives in its slot.
+"""
+
+import asyncio
+import dataclasses
+import itertools
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import jax
+import numpy as np
+
+from linnet_jax.decode import RUNNING, STOP_ID, TRACES, decode, free, insert, prefill
+from linnet_jax.generate import (MIN_BUCKET, Generation, check_max_new_tokens, cut_at_stop, eos_ids, finish_row,
+                                 held_back, left_pad, make_prompts, make_requests, make_sampling, new_slots,
+                                 stop_id_array)
+from linnet_jax.model import Model
+from linnet_jax.sharding import host
+
+
+class QueueFull(RuntimeError):
+    """The engine's queue holds max_queue requests already: try again later."""
+
+
+@dataclasses.dataclass
+class Piece:
+    """New output of one request: text (held back while a stop string or a partial character may change it),
+    the new token ids and their logprobs."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list[float]
+
+
+@dataclasses.dataclass
+class Work:
+    """A validated request waiting for, or holding, a slot."""
+
+    prompt: list[int]
+    request: object  # linnet_jax.decode.Request, one row
+    stops: list[str]
+    handle: "Handle"
+
+
+class Handle:
+    """One submitted request. Iterate it (or `async for`) for `Piece`s; `result()` for the `Generation`."""
+
+    def __init__(self, engine: "Engine", prompt_tokens: int, stops: list[str]):
+        self.engine, self.prompt_tokens, self.stops = engine, prompt_tokens, stops
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.generation: Generation | None = None
+        self.cancelled = False
+        self.submitted = time.perf_counter()
+        self.first_token_at: float | None = None
+        self._changed = threading.Condition()
+        self._listeners: list[Callable[[], None]] = []
+
+    @property
+    def done(self) -> bool:
+        return self.generation is not None
+
+    def cancel(self) -> None:
+        """Stop generating: the slot is freed before the engine's next decode dispatch."""
+        self.cancelled = True
+        self.engine.wake()
+
+    def result(self, timeout: float | None = None) -> Generation:
+        """The finished Generation (waits for it); stop_reason "cancelled" when cancelled."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.done, timeout):
+                raise TimeoutError(f"the request did not finish within {timeout} s")
+        return self.generation
+
+    def __iter__(self) -> Iterator[Piece]:
+        sent = Sent()
+        while not sent.final:
+            with self._changed:
+                self._changed.wait_for(lambda: self.done or len(self.tokens) > sent.tokens)
+            piece = self._next_piece(sent)
+            if piece is not None:
+                yield piece
+
+    async def __aiter__(self) -> AsyncIterator[Piece]:
+        loop, changed = asyncio.get_running_loop(), asyncio.Event()
+        notify = lambda: loop.call_soon_threadsafe(changed.set)  # noqa: E731
+        with self._changed:
+            self._listeners.append(notify)
+        sent = Sent()
+        try:
+            while not sent.final:
+                if not (self.done or len(self.tokens) > sent.tokens):
+                    await changed.wait()
+                changed.clear()
+                piece = self._next_piece(sent)
+                if piece is not None:
+                    yield piece
+        finally:
+            with self._changed:
+                self._listeners.remove(notify)
+
+    def _next_piece(self, sent: "Sent") -> Piece | None:
+        """What is new since `sent` (updated), or None. Text that a stop string or a partial character may still
+        change is held back, with its tokens; the final piece ends exactly at the Generation's text and tokens."""
+        with self._changed:
+            final = self.generation
+            tokens, logprobs = (final.tokens, final.logprobs) if final else (list(self.tokens), list(self.logprobs))
+        tokenizer = self.engine.model.tokenizer
+        text = final.text if final else (tokenizer.decode(tokens) if tokenizer else None)
+        if final is None and text is not None and held_back(text, self.stops):
+            return None
+        piece = Piece(text=(text or "")[sent.chars:], tokens=tokens[sent.tokens:], logprobs=logprobs[sent.tokens:])
+        sent.chars, sent.tokens, sent.final = len(text or ""), len(tokens), final is not None
+        return piece if (piece.text or piece.tokens) else None
+
+    def _update(self, tokens: list[int], logprobs: list[float], generation: Generation | None = None) -> None:
+        with self._changed:
+            if tokens and self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+            self.tokens += tokens
+            self.logprobs += logprobs
+            self.generation = generation
+            self._changed.notify_all()
+            listeners = list(self._listeners)
+        for notify in listeners:
+            notify()
+
+
+@dataclasses.dataclass
+class Sent:
+    """How much of a request's output an iterator has handed out."""
+
+    chars: int = 0
+    tokens: int = 0
+    final: bool = False
+
+
+class Engine:
+    """Continuous batching over `slots` cache rows of `max_len` positions each (see the module docstring).
+
+    engine = Engine(model, slots=16, max_len=640, max_queue=256)
+    handle = engine.submit("Hello", max_tokens=32)   # a prompt, a conversation or token ids
+    for piece in handle: print(piece.text, end="")
+    engine.close()
+    """
+
+    def __init__(self, model: Model, slots: int = 16, max_len: int = 640, max_queue: int = 256, *,
+                 steps_per_dispatch: int = 8, prefills_per_step: int = 4):
+        for name, value in (("slots", slots), ("max_len", max_len), ("max_queue", max_queue),
+                            ("steps_per_dispatch", steps_per_dispatch), ("prefills_per_step", prefills_per_step)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not MIN_BUCKET <= max_len <= model.config.max_position_embeddings:
+            raise ValueError(f"max_len must be in [{MIN_BUCKET}, {model.config.max_position_embeddings}] (the model's "
+                             f"context), got {max_len}")
+        self.model, self.max_len, self.max_queue = model, int(max_len), int(max_queue)
+        self.steps, self.prefills_per_step = int(steps_per_dispatch), int(prefills_per_step)
+        self.state = new_slots(model, int(slots), self.max_len)
+        self.owners: list[Work | None] = [None] * int(slots)
+        self.queue: deque[Work] = deque()
+        self.counters = {"tokens_generated": 0, "requests_finished": 0}
+        self.on_finish: list[Callable[[Handle], None]] = []  # metrics hooks, called on the scheduler thread
+        self.warm_traces: int | None = None
+        self._wake = threading.Condition()
+        self._closing = self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="linnet-jax-engine", daemon=True)
+        self._thread.start()
+
+    # --- the public API --------------------------------------------------------------------------------------
+
+    @property
+    def slots(self) -> int:
+        return len(self.owners)
+
+    def buckets(self) -> list[int]:
+        """The prefill lengths: powers of two from 16 below max_len, and max_len itself."""
+        sizes = [MIN_BUCKET]
+        while sizes[-1] * 2 < self.max_len:
+            sizes.append(sizes[-1] * 2)
+        return sizes + [self.max_len] * (sizes[-1] < self.max_len)
+
+    def bucket(self, length: int) -> int:
+        return next(size for size in self.buckets() if size >= length)
+
+    def submit(self, prompt=None, *, tokens=None, max_tokens: int | None = None, temperature=0.0, top_k=0, top_p=1.0,
+               min_p=0.0, repetition_penalty=1.0, seed: int | None = None, choice: int = 0, stop=None,
+               stop_token_ids=None, ignore_eos: bool = False, chat: bool | None = None) -> Handle:
+        """Queue one request: a prompt (text or a conversation) or `tokens` (ids). Returns its Handle.
+
+        max_tokens: default, what the slot has room for (max_len minus the prompt). seed: None draws one
+        at random for a sampled request; choice i draws stream i of the seed (OpenAI's n), as row i of
+        `generate(..., seed=seed)` does. A ValueError names what is wrong; QueueFull when the queue is full.
+        """
+        prompts = make_prompts(self.model, prompt, tokens, chat)
+        if len(prompts.prompts) != 1:
+            raise ValueError("submit takes one prompt (a string, a conversation or a list of ids)")
+        ids = prompts.prompts[0]
+        if len(ids) >= self.max_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the engine's slots hold max_len={self.max_len} "
+                             f"positions, prompt and new tokens together")
+        room = self.max_len - len(ids)
+        max_tokens = room if max_tokens is None else check_max_new_tokens(max_tokens)
+        if max_tokens > room:
+            raise ValueError(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the engine's "
+                             f"max_len of {self.max_len} positions")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        if isinstance(choice, bool) or not isinstance(choice, (int, np.integer)) or choice < 0:
+            raise ValueError(f"choice must be an int ≥ 0, got {choice!r}")
+        seed = secrets.randbits(63) if seed is None else seed
+        sampling = make_sampling(1, temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        if choice:
+            sampling = make_sampling(choice + 1, temperature, top_k, top_p, min_p, repetition_penalty, seed)
+            sampling = jax.tree.map(lambda column: column[choice:choice + 1], sampling)
+        request = make_requests(sampling, stop_id_array(self.model, stop_token_ids, ignore_eos), max_tokens)
+        work = Work(prompt=ids, request=request, stops=stops, handle=Handle(self, len(ids), stops))
+        with self._wake:
+            if self._closing:
+                raise RuntimeError("the engine is shutting down: it admits no new requests")
+            if len(self.queue) >= self.max_queue:
+                raise QueueFull(f"the queue holds max_queue={self.max_queue} requests; try again later")
+            self.queue.append(work)
+            self._wake.notify_all()
+        return work.handle
+
+    def warmup(self) -> None:
+        """Compile every program the engine uses (each prefill bucket, insert, decode, free), then count
+        compiles from here on (`compiles_after_warmup`)."""
+        handles = [self.submit(tokens=[1] * max(1, min(size, self.max_len - 2)), max_tokens=2, ignore_eos=True)
+                   for size in self.buckets()]
+        for handle in handles:
+            handle.result()
+        self.warm_traces = sum(TRACES.values())
+
+    @property
+    def compiles_after_warmup(self) -> int | None:
+        """Programs traced since `warmup()` (None before it): a warm engine compiles nothing."""
+        return None if self.warm_traces is None else sum(TRACES.values()) - self.warm_traces
+
+    def stats(self) -> dict[str, int]:
+        """Running and queued requests, busy slots, tokens generated and requests finished so far."""
+        with self._wake:
+            busy = sum(owner is not None for owner in self.owners)
+            return {"running": busy, "queued": len(self.queue), "busy_slots": busy, "slots": self.slots,
+                    **self.counters}
+
+    def wake(self) -> None:
+        with self._wake:
+            self._wake.notify_all()
+
+    def close(self, deadline: float | None = None) -> None:
+        """Stop admitting; let running requests finish (cancelling what is left after `deadline` seconds;
+        None cancels at once), and stop the scheduler thread."""
+        with self._wake:
+            self._closing = True
+            for work in self.queue:
+                work.handle.cancelled = True
+            self._wake.notify_all()
+        end = time.monotonic() + (deadline or 0)
+        while any(self.owners) and time.monotonic() < end:
+            time.sleep(0.02)
+        for work in self.owners:
+            if work is not None:
+                work.handle.cancel()
+        with self._wake:
+            self._stopped = True
+            self._wake.notify_all()
+        self._thread.join()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- the scheduler ---------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._stopped or self.queue or any(self.owners))
+                if self._stopped and not any(self.owners) and not self.queue:
+                    return
+            self._release()
+            self._admit()
+            if any(self.owners):
+                self._dispatch()
+
+    def _release(self) -> None:
+        """Free the slots of cancelled requests, and drop cancelled ones from the queue."""
+        with self._wake:
+            for work in [w for w in self.queue if w.handle.cancelled]:
+                self.queue.remove(work)
+                self._finish(work, "cancelled")
+        for slot, work in enumerate(self.owners):
+            if work is not None and work.handle.cancelled:
+                self._vacate(slot, "cancelled")
+
+    def _admit(self) -> None:
+        """Prefill and insert up to prefills_per_step queued requests into free slots."""
+        model = self.model
+        for _ in range(self.prefills_per_step):
+            slot = next((s for s, owner in enumerate(self.owners) if owner is None), None)
+            with self._wake:
+                if slot is None or not self.queue:
+                    return
+                work = self.queue.popleft()
+            tokens, positions = left_pad([work.prompt], self.bucket(len(work.prompt)))
+            prefix = prefill(model.decode_params, model.config, tokens, positions, work.request, self.max_len)
+            self.state = insert(prefix, self.state, slot)
+            with self._wake:
+                self.owners[slot] = work
+            self._deliver(slot, [int(host(self.state.token)[slot])], [float(host(self.state.logprob)[slot])])
+
+    def _dispatch(self) -> None:
+        """steps_per_dispatch decode steps over every busy slot; hand out the tokens."""
+        model = self.model
+        self.state, emitted = decode(model.decode_params, model.config, self.state, np.int32(self.steps), self.steps,
+                                     model.layout and model.layout.constrain)
+        tokens, logprobs, counts = host(emitted.tokens), host(emitted.logprobs), host(emitted.count)
+        for slot, work in enumerate(self.owners):
+            if work is not None and counts[slot]:
+                self._deliver(slot, tokens[slot, :counts[slot]].tolist(), logprobs[slot, :counts[slot]].tolist())
+
+    def _deliver(self, slot: int, tokens: list[int], logprobs: list[float]) -> None:
+        """A slot's new tokens to its request; the request finished when its row did or a stop string appeared."""
+        work = self.owners[slot]
+        self.counters["tokens_generated"] += len(tokens)
+        work.handle._update(tokens, logprobs)
+        finish, tokenizer = int(host(self.state.finish)[slot]), self.model.tokenizer
+        if work.stops and cut_at_stop(tokenizer.decode(work.handle.tokens), work.stops) is not None:
+            self._vacate(slot, "length")  # finish_row finds the stop string and says "stop"
+        elif finish == STOP_ID:
+            self._vacate(slot, "stop_id")
+        elif finish != RUNNING:
+            self._vacate(slot, "length")
+
+    def _vacate(self, slot: int, reason: str) -> None:
+        self.state = free(self.state, slot)
+        with self._wake:
+            work, self.owners[slot] = self.owners[slot], None
+        self._finish(work, reason)
+
+    def _finish(self, work: Work, reason: str) -> None:
+        """The request's Generation, as generate makes it: the stop id dropped ("eos" for one of the model's eos
+        ids, else "stop"), the text cut at a stop string. reason: "stop_id", "length" or "cancelled"."""
+        handle = work.handle
+        tokens, logprobs = list(handle.tokens), list(handle.logprobs)
+        if reason == "stop_id":
+            reason = "eos" if tokens[-1] in eos_ids(self.model) else "stop"
+            tokens, logprobs = tokens[:-1], logprobs[:-1]
+        generation = finish_row(self.model.tokenizer, tokens, reason, logprobs, work.stops)
+        self.counters["requests_finished"] += 1
+        handle._update([], [], generation)
+        for hook in self.on_finish:
+            hook(handle)
