@@ -160,7 +160,7 @@ def untied_if_distinct(config: Config, read, names, source: Path) -> Config:
         return config
     warnings.warn(f"{source}: config.json says tie_word_embeddings=true, but the checkpoint's {head} differs from "
                   f"{embed}; as transformers does, the model uses it (untied). Set tie_word_embeddings to false "
-                  "to silence this.", stacklevel=3)
+                  "to silence this.", stacklevel=4)
     return dataclasses.replace(config, tie_word_embeddings=False)
 
 
