@@ -1,8 +1,15 @@
 """The command line: `linnet-jax generate "PROMPT"`, `linnet-jax chat` and `linnet-jax export` (also
-`python -m linnet_jax`)."""
+`python -m linnet_jax`).
+
+A bad flag is refused before the model loads (exit status 2); any other failure the user can fix (a
+missing model, a file in the way, a prompt that does not fit) prints one line naming it and exits 1.
+`--debug` shows the traceback instead.
+"""
 
 import argparse
+import io
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -13,15 +20,20 @@ from linnet_jax.models.config import DTYPES
 # --format -> the --dtype values it takes: for gguf the GGUF storage type, else the weights' dtype.
 EXPORT_DTYPES = {"stablehlo": DTYPES, "jax-source": DTYPES, "hf": DTYPES, "gguf": ("f32", "f16", "bf16", "q8_0")}
 GGUF_DEFAULT = "f16"
+# What a user can cause and fix: printed as one line (exit status 1) unless --debug.
+USER_ERRORS = (ValueError, TypeError, OSError)
+# A byte that is not UTF-8, as stdin's surrogateescape error handler reads it.
+INVALID_BYTE = re.compile("[\udc80-\udcff]")
 
 
 def parser() -> argparse.ArgumentParser:
     source = argparse.ArgumentParser(add_help=False)
     source.add_argument("--model", default=None, help="HF directory, hub id or .gguf (default: SmolLM2-135M-Instruct)")
     source.add_argument("--no-compilation-cache", action="store_true", help="do not use the persistent JAX cache")
+    source.add_argument("--debug", action="store_true", help="show the traceback of an error")
     common = argparse.ArgumentParser(add_help=False, parents=[source])
     common.add_argument("--dtype", default=None, choices=DTYPES)
-    common.add_argument("--max-new-tokens", type=int, default=256)
+    common.add_argument("--max-new-tokens", type=positive_int, default=256)
     common.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     common.add_argument("--top-k", type=int, default=0)
     common.add_argument("--top-p", type=float, default=1.0)
@@ -42,6 +54,31 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument("--overwrite", action="store_true", help="write over an existing OUT")
     export.add_argument("out", metavar="OUT", help="a directory (a .gguf file for --format gguf)")
     return main
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int ≥ 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
+    return value
+
+
+def check_flags(arguments: argparse.ArgumentParser, args) -> None:
+    """Refuse (exit status 2) flags that cannot work together or that generate would refuse, before any loading."""
+    if args.command == "export":
+        if args.dtype not in (None, *EXPORT_DTYPES[args.format]):
+            arguments.error(f"--dtype {args.dtype} is not one of {EXPORT_DTYPES[args.format]} "
+                            f"(for --format {args.format})")
+        return
+    from linnet_jax.generate import make_sampling
+
+    if args.raw and args.system:
+        arguments.error("--system needs the chat template; drop --raw")
+    try:
+        make_sampling(1, args.temperature, args.top_k, args.top_p, args.min_p, 1.0, args.seed)
+    except (ValueError, TypeError, OverflowError) as error:
+        arguments.error(str(error))
 
 
 def export_model(args) -> Path:
@@ -76,27 +113,40 @@ def stream_reply(model, prompt, args) -> str:
 def main(argv: list[str] | None = None) -> int:
     arguments = parser()
     args = arguments.parse_args(argv)
-    if args.command == "export" and args.dtype not in (None, *EXPORT_DTYPES[args.format]):
-        arguments.error(f"--dtype {args.dtype} is not one of {EXPORT_DTYPES[args.format]} (for --format {args.format})")
+    check_flags(arguments, args)
+    try:
+        return run(args)
+    except USER_ERRORS as error:
+        if args.debug:
+            raise
+        message = " ".join(str(error).split())
+        raise SystemExit(f"linnet-jax {args.command}: error: {message} (--debug shows the traceback)") from None
+
+
+def run(args) -> int:
+    """Run the parsed command; returns the exit status."""
     if not args.no_compilation_cache:
         enable_compilation_cache()
     if args.command == "export":
-        try:
-            print(export_model(args))
-        except FileExistsError as error:
-            raise SystemExit(f"linnet-jax export: {error}") from None
+        print(export_model(args))
         return 0
     from linnet_jax import load
 
     start = time.perf_counter()
     model = load(args.model, dtype=args.dtype)
     print(f"{model} loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    if args.raw and args.system:
-        raise SystemExit("--system needs the chat template; drop --raw")
     if args.command == "generate":
         prompt = args.prompt if args.raw else conversation_start(args) + [{"role": "user", "content": args.prompt}]
         stream_reply(model, prompt, args)
         return 0
+    return chat(model, args)
+
+
+def chat(model, args) -> int:
+    """The interactive loop: each line of stdin is a user turn; an empty line or the end of input ends it.
+    A line that is not valid UTF-8 is named and skipped."""
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="surrogateescape")
     messages = conversation_start(args)
     print("Chat with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
     while True:
@@ -104,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             text = input("> ")
         except EOFError:
             return 0
+        if bad := INVALID_BYTE.search(text):
+            print(f"linnet-jax chat: that line is not valid UTF-8 (byte 0x{ord(bad.group()) - 0xDC00:02X} at "
+                  f"position {bad.start()}); type it again", file=sys.stderr)
+            continue
         if not text.strip():
             return 0
         if args.raw:

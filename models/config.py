@@ -2,11 +2,13 @@
 
 `Config.from_hf` reads a transformers `config.json` dict in either spelling transformers has
 used (legacy `rope_theta` / `rope_scaling` / `torch_dtype`, and transformers 5's
-`rope_parameters` / `dtype`), ignores keys it does not use, and names any required key that
-is missing. `to_hf` writes both spellings.
+`rope_parameters` / `dtype`), ignores keys it does not use, names any required key that
+is missing, and refuses a field of the wrong JSON type or one whose value it cannot honour
+(an activation other than SiLU, a rope scaling factor ≤ 0). `to_hf` writes both spellings.
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from linnet_jax.ops.rope import RopeScaling
@@ -32,6 +34,37 @@ FAMILIES = {
 }
 MODEL_TYPES = {family.model_type: name for name, family in FAMILIES.items()}
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+ACTIVATIONS = ("silu", "swish")  # the same function in transformers' ACT2FN: the SwiGLU MLP's
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# The JSON type each field read here must have when present and not null: (test, what is expected).
+FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **{key: (lambda v: _is_int(v) and v > 0, "a positive integer") for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")},
+    "max_window_layers": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    **{key: (_is_int, "an integer") for key in ("bos_token_id", "pad_token_id")},
+    "eos_token_id": (lambda v: _is_int(v) or (isinstance(v, list) and all(map(_is_int, v))),
+                     "an integer or a list of integers"),
+    **{key: (lambda v: _is_number(v) and v > 0, "a positive number") for key in ("rms_norm_eps", "rope_theta")},
+    **{key: (lambda v: isinstance(v, bool), "true or false") for key in (
+        "tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")},
+    **{key: (lambda v: isinstance(v, str), "a string") for key in ("model_type", "hidden_act", "dtype", "torch_dtype")},
+    **{key: (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings")
+       for key in ("architectures", "layer_types")},
+    **{key: (lambda v: isinstance(v, dict), "an object") for key in ("rope_scaling", "rope_parameters")},
+}
+# Rope scaling fields that must be positive numbers (0 or below would divide by zero or flip frequencies).
+POSITIVE_ROPE_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                        "rope_theta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +115,7 @@ class Config:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "Config":
         """Build from a transformers config dict; unknown keys are ignored."""
+        _check_types(hf)
         architecture = _architecture(hf)
         family = FAMILIES[architecture]
         missing = [key for key in REQUIRED_KEYS if hf.get(key) is None]
@@ -89,6 +123,9 @@ class Config:
             raise ValueError(f"config is missing required field(s) {missing} (a {architecture} config needs {REQUIRED_KEYS})")
         if hf.get("mlp_bias"):
             raise ValueError("config has mlp_bias=true, which linnet_jax does not support")
+        if hf.get("hidden_act", "silu") not in ACTIVATIONS:
+            raise ValueError(f"config field 'hidden_act' is {hf['hidden_act']!r}; linnet_jax's MLP computes SiLU "
+                             f"(expected one of {ACTIVATIONS})")
         num_layers = hf["num_hidden_layers"]
         num_heads = hf["num_attention_heads"]
         attention_bias = bool(hf.get("attention_bias", False))
@@ -164,6 +201,18 @@ class Config:
         layer = attention + 3 * d * f + 2 * d + (2 * k if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_layers * layer + d + head
+
+
+def _check_types(hf: dict[str, Any]) -> None:
+    """A ValueError naming the first field whose JSON type (or sign) is not the one expected."""
+    for key, (ok, expected) in FIELD_TYPES.items():
+        value = hf.get(key)
+        if value is not None and not ok(value):
+            raise ValueError(f"config field {key!r} must be {expected}, got {type(value).__name__} {value!r}")
+    for key in ("rope_scaling", "rope_parameters"):
+        for field, value in (hf.get(key) or {}).items():
+            if field in POSITIVE_ROPE_FIELDS and not (_is_number(value) and value > 0):
+                raise ValueError(f"config field '{key}.{field}' must be a positive number, got {value!r}")
 
 
 def _architecture(hf: dict[str, Any]) -> str:

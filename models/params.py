@@ -180,7 +180,7 @@ def flatten_params(tree: Params | LayerParams, prefix: str = "") -> dict[str, ja
     flat = {}
     for field in dataclasses.fields(tree):
         value = getattr(tree, field.name)
-        if field.name == "layers" and isinstance(value, tuple):
+        if field.name == "layers" and isinstance(value, tuple):  # unstacked layers (a shape is a tuple too)
             for i, layer in enumerate(value):
                 flat |= flatten_params(layer, f"{prefix}{field.name}.{i}.")
         elif dataclasses.is_dataclass(value):

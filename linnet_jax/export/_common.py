@@ -1,12 +1,20 @@
-"""Helpers shared by the exporters: preparing an output path, and the JSON and tokenizer files that a
-Hugging Face directory and an Orbax checkpoint both carry."""
+"""Helpers shared by the exporters: preparing an output path, writing it under a temporary name first,
+and the JSON and tokenizer files that a Hugging Face directory and an Orbax checkpoint both carry."""
 
+import contextlib
 import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from linnet_jax.models import Config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# What write_model_files writes: every exporter that calls it replaces these in its target.
+MODEL_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
+INDEX_FILE = "model.safetensors.index.json"  # a sharded safetensors checkpoint's weight map
 
 
 def prepare_target(path, overwrite: bool = False) -> Path:
@@ -21,6 +29,53 @@ def prepare_target(path, overwrite: bool = False) -> Path:
         raise FileExistsError(f"{target} already exists and is not empty; pass overwrite=True to write over it")
     target.parent.mkdir(parents=True, exist_ok=True)
     return target
+
+
+@contextlib.contextmanager
+def staged(target: Path, replaces: tuple[str, ...] | None = None) -> Iterator[Path]:
+    """Write `target` (from prepare_target) under a temporary name in its parent directory, then rename it
+    into place, so that the target is either complete or untouched.
+
+    Yields the path to write: `<parent>/.<name>.partial-<random>/<name>` (the same name, so progress bars
+    and messages read as usual). replaces None: the target is one file, replaced whole. replaces a tuple
+    of glob patterns: the target is a directory (yielded created); when it already exists, only the entries matching
+    these patterns (what the exporter writes, stale shards included) are removed, then every entry written
+    is renamed into it, and anything else there (another model's files) stays. On any error the
+    temporary directory is removed and the target is left as it was; an OSError (a full disk, say) is
+    raised again naming the target.
+    """
+    if replaces is None and target.is_dir():
+        raise IsADirectoryError(f"{target} is a directory; this export writes one file (e.g. {target / 'model.gguf'})")
+    if replaces is not None and target.is_file():
+        raise NotADirectoryError(f"{target} is a file; this export writes a directory")
+    staging = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
+    try:
+        staging.mkdir()
+        written = staging / target.name
+        if replaces is not None:
+            written.mkdir()
+        yield written
+        if replaces is not None and target.is_dir():
+            _replace_entries(written, target, replaces)
+        else:
+            os.replace(written, target)
+    except OSError as error:
+        raise OSError(error.errno, f"could not write {target}: {error.strerror or error}; it was left as it was") \
+            from error
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _replace_entries(written: Path, target: Path, replaces: tuple[str, ...]) -> None:
+    """Remove target's entries matching `replaces`, then rename every entry of `written` into target."""
+    for pattern in replaces:
+        for stale in target.glob(pattern):
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale)
+            else:
+                stale.unlink()
+    for entry in written.iterdir():
+        os.replace(entry, target / entry.name)
 
 
 def generation_config(config: Config, tokenizer) -> dict:
@@ -39,11 +94,8 @@ def write_json(path: Path, value: dict) -> None:
 
 def write_model_files(directory: Path, config: Config, tokenizer) -> None:
     """config.json (transformers' keys, legacy and v5), generation_config.json and, when there is a
-    tokenizer, its files (tokenizer.json, tokenizer_config.json, special_tokens_map.json, chat_template.jinja).
-    Tokenizer files an earlier export left are removed first, so none outlives an overwrite."""
+    tokenizer, its files (tokenizer.json, tokenizer_config.json, special_tokens_map.json, chat_template.jinja)."""
     directory.mkdir(parents=True, exist_ok=True)
-    for stale in TOKENIZER_FILES:
-        (directory / stale).unlink(missing_ok=True)
     write_json(directory / "config.json", config.to_hf())
     write_json(directory / "generation_config.json", generation_config(config, tokenizer))
     if tokenizer is not None:

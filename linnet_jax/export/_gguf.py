@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from linnet_jax.export._common import prepare_target
+from linnet_jax.export._common import prepare_target, staged
 from linnet_jax.gguf import write_gguf
 from linnet_jax.models import params_to_hf
 
@@ -16,13 +16,14 @@ def gguf(model, path, *, dtype: str = "f16", overwrite: bool = False, progress: 
     dtype: the matrices' storage, "f32", "f16", "bf16" or "q8_0" (norms and biases stay f32).
     The file carries the llama/qwen2/qwen3 metadata, llama's q/k rows in llama.cpp's order, and the
     tokenizer (tokenizer.ggml.*, including `pre`, the bos/eos/padding ids, and the chat template).
-    overwrite: an existing file is a FileExistsError unless True.
+    overwrite: an existing file is a FileExistsError unless True. The file is written under a temporary
+    name and renamed at the end, so a failed export leaves no partial file.
     """
     if dtype not in TENSOR_TYPES:
         raise ValueError(f"dtype {dtype!r} is not supported for GGUF; expected one of {sorted(TENSOR_TYPES)}")
     target = prepare_target(path, overwrite)
-    if target.is_dir():
-        raise IsADirectoryError(f"{target} is a directory; export.gguf writes one file (e.g. {target / 'model.gguf'})")
     tokenizer_metadata = model.tokenizer.gguf_metadata() if model.tokenizer is not None else None
-    return write_gguf(target, model.config.to_hf(), params_to_hf(model.params, model.config),
-                      tensor_type=TENSOR_TYPES[dtype], tokenizer_metadata=tokenizer_metadata, progress=progress)
+    with staged(target) as written:
+        write_gguf(written, model.config.to_hf(), params_to_hf(model.params, model.config),
+                   tensor_type=TENSOR_TYPES[dtype], tokenizer_metadata=tokenizer_metadata, progress=progress)
+    return target

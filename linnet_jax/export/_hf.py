@@ -10,14 +10,15 @@ import numpy as np
 from safetensors.numpy import save_file
 from tqdm import tqdm  # the text bar: tqdm.auto needs ipywidgets in notebooks
 
-from linnet_jax.export._common import prepare_target, write_json, write_model_files
+from linnet_jax.export._common import INDEX_FILE, MODEL_FILES, prepare_target, staged, write_json, write_model_files
 from linnet_jax.models import params_to_hf
 from linnet_jax.models.config import DTYPES
 
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+# What an export writes, and so what an overwrite replaces: nothing else in the directory is touched.
+OUTPUTS = (SINGLE_FILE, "model-*-of-*.safetensors", INDEX_FILE, *MODEL_FILES)
 
 
 def hf(model, out_dir, *, dtype=None, max_shard_size="5GB", overwrite: bool = False, progress: bool = True) -> Path:
@@ -26,21 +27,21 @@ def hf(model, out_dir, *, dtype=None, max_shard_size="5GB", overwrite: bool = Fa
     dtype: None keeps the params' dtype; "float32", "bfloat16" or "float16" converts the weights.
     max_shard_size: bytes per safetensors file, an int or a string such as "5GB", "100KB", "2GiB";
       past it the weights are split into model-0000i-of-0000n.safetensors plus an index.
-    overwrite: an existing non-empty out_dir is a FileExistsError unless True (its old weight files
-      are then removed, so no stale shard survives).
+    overwrite: an existing non-empty out_dir is a FileExistsError unless True; then only what an export
+      writes there (OUTPUTS: weights, shards, index, config and tokenizer files) is replaced, so no stale
+      shard survives and other files stay. Everything is written under a temporary name first.
     Tied embeddings stay tied: no lm_head tensor is written.
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected None or one of {DTYPES}")
     limit = parse_size(max_shard_size)
     target = prepare_target(out_dir, overwrite)
-    target.mkdir(exist_ok=True)
-    _remove_weights(target)
     config = dataclasses.replace(model.config, dtype=dtype or model.config.dtype)
     state = params_to_hf(model.params, model.config)
-    with tqdm(total=len(state), desc=f"Writing {target.name}", unit="tensor", disable=not progress) as bar:
-        _write_shards(target, state, np.dtype(config.dtype), limit, bar)
-    write_model_files(target, config, model.tokenizer)
+    with staged(target, OUTPUTS) as written, tqdm(total=len(state), desc=f"Writing {target.name}", unit="tensor",
+                                                  disable=not progress) as bar:
+        _write_shards(written, state, np.dtype(config.dtype), limit, bar)
+        write_model_files(written, config, model.tokenizer)
     return target
 
 
@@ -53,12 +54,6 @@ def parse_size(size) -> int:
         raise ValueError(f"max_shard_size {size!r} is not a size; expected a positive int of bytes or a string "
                          "such as '5GB', '500MB', '100KB' or '2GiB'")
     return int(float(match.group(1)) * SIZE_UNITS[match.group(2)])
-
-
-def _remove_weights(directory: Path) -> None:
-    """Delete the safetensors files and index an earlier export left in `directory`."""
-    for stale in [*directory.glob("*.safetensors"), directory / INDEX_FILE]:
-        stale.unlink(missing_ok=True)
 
 
 def _shards(sizes: dict[str, int], limit: int) -> list[list[str]]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import ModuleType
 
 from linnet_jax._version import __version__
-from linnet_jax.export._common import generation_config, prepare_target, write_model_files
+from linnet_jax.export._common import MODEL_FILES, generation_config, prepare_target, staged, write_model_files
 from linnet_jax.export._stablehlo import WEIGHTS, save_weights
 from linnet_jax.models import Config
 
@@ -119,14 +119,15 @@ def jax_source(model, out_dir, *, overwrite: bool = False) -> Path:
     model.py needs jax, numpy and safetensors: `load_weights()`, `forward(params, CONFIG, tokens,
     positions, cache=None)`, `init_cache` and a greedy `generate(params, token_ids, max_new_tokens)`.
     The config and tokenizer files are written beside it. overwrite: an existing non-empty out_dir
-    is a FileExistsError unless True.
+    is a FileExistsError unless True (then only these files are replaced; all are written under a
+    temporary name first).
     """
     source = module_source(model)
     target = prepare_target(out_dir, overwrite)
-    target.mkdir(exist_ok=True)
-    save_weights(model.params, target / WEIGHTS)
-    (target / MODULE).write_text(source, encoding="utf-8")
-    write_model_files(target, model.config, model.tokenizer)
+    with staged(target, (MODULE, WEIGHTS, *MODEL_FILES)) as written:
+        save_weights(model.params, written / WEIGHTS)
+        (written / MODULE).write_text(source, encoding="utf-8")
+        write_model_files(written, model.config, model.tokenizer)
     return target
 
 

@@ -33,7 +33,8 @@ import numpy as np
 from safetensors.numpy import save_file
 from tqdm import tqdm  # the text bar: tqdm.auto needs ipywidgets in notebooks
 
-from linnet_jax.export._common import generation_config, prepare_target, write_json, write_model_files
+from linnet_jax.export._common import (MODEL_FILES, generation_config, prepare_target, staged, write_json,
+                                       write_model_files)
 from linnet_jax.generate import bucket
 from linnet_jax.models import Config, KVCache, Params, forward, init_cache
 
@@ -42,6 +43,8 @@ from linnet_jax.sharding import Layout, host
 
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
+# What an export writes, and so what an overwrite replaces (stale programs of other buckets included).
+OUTPUTS = ("prefill_T*.bin", "prefill_T*.mlir", "decode.bin", "decode.mlir", WEIGHTS, MANIFEST, *MODEL_FILES)
 
 
 def stablehlo(model, out_dir, *, batch: int = 1, max_len: int = 1024, platforms=None, overwrite: bool = False,
@@ -52,14 +55,23 @@ def stablehlo(model, out_dir, *, batch: int = 1, max_len: int = 1024, platforms=
     decode.bin / .mlir, weights.safetensors, manifest.json, and the config and tokenizer files.
     batch, max_len: the rows and cache slots the programs are compiled for.
     platforms: jax.export platforms, e.g. ("cpu", "cuda"); None: the default backend.
-    overwrite: an existing non-empty out_dir is a FileExistsError unless True.
+    overwrite: an existing non-empty out_dir is a FileExistsError unless True (then only OUTPUTS are replaced;
+    everything is written under a temporary name first).
     A sharded model (`linnet_jax.load(..., mesh=...)`, `linnet_jax.shard`) exports programs for its mesh,
     with every argument's sharding, and records the mesh and PartitionSpecs in the manifest.
     """
     config = model.config
     buckets = prompt_buckets(config, batch, max_len)
     target = prepare_target(out_dir, overwrite)
-    target.mkdir(exist_ok=True)
+    with staged(target, OUTPUTS) as written:
+        write_programs(model, written, buckets, batch, max_len, platforms, progress)
+    return target
+
+
+def write_programs(model, target: Path, buckets: list[int], batch: int, max_len: int, platforms,
+                   progress: bool) -> None:
+    """The programs, weights, manifest, config and tokenizer files, written into the directory target."""
+    config = model.config
     layout = model.layout
     weights = save_weights(unstack_layers(model.params), target / WEIGHTS)
     cache = jax.eval_shape(lambda: cache_dict(init_cache(config, batch, max_len, model.params.embed.dtype)))
@@ -90,7 +102,6 @@ def stablehlo(model, out_dir, *, batch: int = 1, max_len: int = 1024, platforms=
     if placed is not None:
         add_sharding(contents, layout, placed, specs)
     write_json(target / MANIFEST, contents)
-    return target
 
 
 @dataclasses.dataclass(frozen=True)

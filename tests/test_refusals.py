@@ -1,0 +1,302 @@
+"""Issue 11, "refuse what cannot be honoured": each hostile or careless input's exact reproducer, and the clear
+error (or the reference's result) it now gets. Tiny random models throughout."""
+
+import dataclasses
+import errno
+import importlib
+import io
+import json
+import re
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import tokenizers
+import torch
+import transformers
+from conftest import reference_logits
+from safetensors.numpy import load_file, save_file
+from test_load import copy_dir, edit_config, edit_weights
+
+import linnet_jax
+from linnet_jax import cli, export
+from linnet_jax.gguf import write_gguf
+from linnet_jax.models import params_to_hf
+from linnet_jax.tokenizer import Tokenizer
+
+
+def tiny(tiny_dir, name="llama_mha"):
+    return linnet_jax.load(tiny_dir(name)[1], progress=False)
+
+
+def snapshot(directory) -> dict:
+    """Every file under `directory` by relative path, with its bytes."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def disk_full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+# ---- data loss ----
+
+def test_hf_overwrite_deletes_only_what_it_writes(tiny_dir, tmp_path):
+    model = tiny(tiny_dir)
+    out = export.hf(model, tmp_path / "d", max_shard_size="100KB", progress=False)
+    (out / "other-model.safetensors").write_text("x\n")
+    (out / "README.md").write_text("mine\n")
+    export.hf(model, out, overwrite=True, progress=False)
+    assert (out / "other-model.safetensors").read_text() == "x\n" and (out / "README.md").read_text() == "mine\n"
+    assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]  # the old shards and index are gone
+
+
+# exporter, the function it writes with (patched to fail with a full disk part-way), the target's name
+FAILING_EXPORTS = {
+    "gguf": (lambda m, p: export.gguf(m, p, dtype="f32", overwrite=True, progress=False),
+             (gguf.GGUFWriter, "write_tensors_to_file"), "m.gguf"),
+    "hf": (lambda m, p: export.hf(m, p, max_shard_size="100KB", overwrite=True, progress=False),
+           ("linnet_jax.export._hf", "write_model_files"), "d"),
+    "stablehlo": (lambda m, p: export.stablehlo(m, p, max_len=32, overwrite=True, progress=False),
+                  ("linnet_jax.export._stablehlo", "save_file"), "d"),
+    "jax_source": (lambda m, p: export.jax_source(m, p, overwrite=True),
+                   ("linnet_jax.export._jax_source", "write_model_files"), "d"),
+    "save": (lambda m, p: linnet_jax.save(m, p, overwrite=True), ("linnet_jax.checkpoint", "write_model_files"), "d"),
+}
+
+
+@pytest.mark.parametrize("kind", FAILING_EXPORTS)
+def test_failed_export_leaves_the_target_untouched(tiny_dir, tmp_path, monkeypatch, kind):
+    """A disk that fills part-way through: the earlier export in the target is byte for byte as it was, nothing
+    partial is left beside it, and the error names the target."""
+    write, (owner, name), target_name = FAILING_EXPORTS[kind]
+    model = tiny(tiny_dir)
+    target = tmp_path / target_name
+    write(model, target)
+    if target.is_dir():
+        (target / "other-model.safetensors").write_text("x\n")
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(importlib.import_module(owner) if isinstance(owner, str) else owner, name, disk_full)
+    with pytest.raises(OSError, match=f"could not write {re.escape(str(target))}: No space left on device"):
+        write(model, target)
+    assert snapshot(tmp_path) == before
+    assert [p.name for p in tmp_path.iterdir()] == [target_name]
+
+
+# ---- configs, checkpoints and GGUF metadata ----
+
+def test_hidden_act_other_than_silu_is_refused(tiny_dir, tmp_path):
+    directory = copy_dir(tiny_dir("llama_mha")[1], tmp_path / "m")
+    edit_config(directory, hidden_act="gelu")
+    with pytest.raises(ValueError, match=r"config.json: config field 'hidden_act' is 'gelu'; linnet_jax's MLP "
+                                         r"computes SiLU"):
+        linnet_jax.load(directory, progress=False)
+
+
+def test_lm_head_with_tied_embeddings_loads_as_transformers_5_does(tiny_dir, tmp_path):
+    """transformers 5 uses a checkpoint's lm_head.weight that differs from the embeddings, untied (and warns);
+    one equal to them stays tied."""
+    directory = copy_dir(tiny_dir("qwen2_bias_tied")[1], tmp_path / "m")
+    head = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+    edit_weights(directory, lambda state: state.update({"lm_head.weight": head}))
+    with pytest.warns(UserWarning, match="tie_word_embeddings=true, but the checkpoint's lm_head.weight differs"):
+        model = linnet_jax.load(directory, progress=False)
+    assert not model.config.tie_word_embeddings and np.array_equal(model.params.lm_head, head)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                                  attn_implementation="eager").eval()
+    ids = np.arange(20)[None]
+    assert np.abs(np.asarray(linnet_jax.logits(model, ids)) - reference_logits(reference, ids)).max() < 1e-4
+    edit_weights(directory, lambda state: state.update({"lm_head.weight": state["model.embed_tokens.weight"]}))
+    assert linnet_jax.load(directory, progress=False).params.lm_head is None
+
+
+def test_stray_safetensors_overriding_tensors_is_refused(tiny_dir, tmp_path):
+    directory = copy_dir(tiny_dir("llama_mha")[1], tmp_path / "m")
+    state = load_file(directory / "model.safetensors")
+    save_file({"model.norm.weight": 2 * state["model.norm.weight"]}, directory / "other-model.safetensors")
+    with pytest.raises(ValueError, match="tensor 'model.norm.weight' is in both model.safetensors and "
+                                         "other-model.safetensors; which one the model uses would be a guess"):
+        linnet_jax.load(directory, progress=False)
+
+
+def test_layers_beyond_num_hidden_layers_are_refused(tiny_dir, tmp_path):
+    directory = copy_dir(tiny_dir("llama_mha")[1], tmp_path / "m")
+    edit_config(directory, num_hidden_layers=1)
+    with pytest.raises(ValueError, match=r"holds tensors of layer\(s\) \[1, 2\], beyond num_hidden_layers=1"):
+        linnet_jax.load(directory, progress=False)
+
+
+def test_gguf_block_count_below_its_blocks_is_refused(tiny_dir, tmp_path):
+    model = tiny(tiny_dir)
+    hf_config = model.config.to_hf() | {"num_hidden_layers": 2}  # the file holds blk.0 to blk.2
+    path = write_gguf(tmp_path / "m.gguf", hf_config, params_to_hf(model.params, model.config), progress=False)
+    with pytest.raises(ValueError, match=r"m.gguf: holds tensors of layer\(s\) \[2\], beyond llama.block_count=2"):
+        linnet_jax.load(path, progress=False)
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("hidden_size", "64", "must be a positive integer, got str '64'"),
+    ("num_hidden_layers", 2.0, "must be a positive integer, got float 2.0"),
+    ("num_attention_heads", True, "must be a positive integer, got bool True"),
+    ("architectures", "LlamaForCausalLM", "must be a list of strings, got str 'LlamaForCausalLM'"),
+    ("eos_token_id", "2", "must be an integer or a list of integers, got str '2'"),
+    ("rms_norm_eps", "1e-6", "must be a positive number, got str '1e-6'"),
+    ("tie_word_embeddings", "false", "must be true or false, got str 'false'"),
+    ("rope_scaling", "linear", "must be an object, got str 'linear'"),
+])
+def test_wrong_json_types_in_config_are_named(tiny_dir, tmp_path, field, value, expected):
+    directory = copy_dir(tiny_dir("llama_mha")[1], tmp_path / "m")
+    edit_config(directory, **{field: value})
+    with pytest.raises(ValueError, match=re.escape(f"config.json: config field {field!r} {expected}")):
+        linnet_jax.load(directory, progress=False)
+
+
+@pytest.mark.parametrize("scaling, expected", [
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "'rope_scaling.factor' must be a positive number, got 0"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": -2.0}},
+     "'rope_parameters.factor' must be a positive number, got -2.0"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 256}},
+     "'rope_scaling.low_freq_factor' must be a positive number, got 0"),
+])
+def test_rope_scaling_factors_not_positive_are_refused(tiny_dir, tmp_path, scaling, expected):
+    directory = copy_dir(tiny_dir("llama_mha")[1], tmp_path / "m")
+    edit_config(directory, **scaling)
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        linnet_jax.load(directory, progress=False)
+
+
+@pytest.mark.parametrize("index, expected", [
+    ('{"weight_map": {', "model.safetensors.index.json: not valid JSON"),
+    ('{"metadata": {}}', "model.safetensors.index.json: expected a 'weight_map' object of tensor name -> shard file "
+                         "name, got None"),
+    ('{"weight_map": ["model-00001-of-00002.safetensors"]}', "expected a 'weight_map' object"),
+    ("[]", "model.safetensors.index.json: expected a JSON object, got a list"),
+])
+def test_bad_index_is_named(tiny_dir, tmp_path, index, expected):
+    directory = copy_dir(tiny_dir("llama_mha")[1], tmp_path / "m")
+    (directory / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        linnet_jax.load(directory, progress=False)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_weight_is_refused(tiny_dir, tmp_path, bad):
+    directory = copy_dir(tiny_dir("llama_mha")[1], tmp_path / "m")
+    edit_weights(directory, lambda state: state["model.layers.1.mlp.up_proj.weight"].__setitem__((5, 7), bad))
+    with pytest.raises(ValueError, match=re.escape(f"tensor 'model.layers.1.mlp.up_proj.weight' holds 1 non-finite "
+                                                   f"value(s) (the first, {bad}, at flat index 327)")):
+        linnet_jax.load(directory, progress=False)
+
+
+def test_non_finite_gguf_weight_is_refused(tiny_dir, tmp_path):
+    model = tiny(tiny_dir)
+    state = params_to_hf(model.params, model.config)
+    state["model.norm.weight"] = np.where(np.arange(64) == 3, np.nan, state["model.norm.weight"])
+    path = write_gguf(tmp_path / "m.gguf", model.config.to_hf(), state, progress=False)
+    with pytest.raises(ValueError, match=r"m.gguf: tensor 'model.norm.weight' holds 1 non-finite value"):
+        linnet_jax.load(path, progress=False)
+
+
+# ---- Orbax checkpoints ----
+
+@pytest.fixture
+def checkpoint(tiny_dir, tmp_path):
+    return linnet_jax.save(tiny(tiny_dir, "qwen2_bias_tied"), tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("edit, expected", [
+    ({"hidden_size": 32}, "hidden_size do(es) not match the saved params: 'embed' was saved with shape (256, 64), "
+                          "the config implies (256, 32)"),
+    ({"num_hidden_layers": 2}, "num_hidden_layers do(es) not match the saved params: 'layers.attn_norm' was saved "
+                               "with shape (3, 64), the config implies (2, 64)"),
+    ({"dtype": "bfloat16", "torch_dtype": "bfloat16"}, "dtype 'bfloat16' does not match the saved params: 'embed' "
+                                                       "was saved as float32"),
+    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "does not match the saved params: it implies"),
+])
+def test_orbax_edited_config_is_refused(checkpoint, edit, expected):
+    edit_config(checkpoint, **edit)
+    with pytest.raises(ValueError, match=re.escape(f"{checkpoint / 'config.json'}") + ".*" + re.escape(expected)):
+        linnet_jax.load(checkpoint, progress=False)
+
+
+def test_orbax_corrupt_bytes_are_refused(checkpoint):
+    data = max((p for p in (checkpoint / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    corrupt = bytearray(data.read_bytes())
+    corrupt[len(corrupt) // 2] ^= 0xFF
+    data.write_bytes(bytes(corrupt))
+    with pytest.raises(ValueError, match=re.escape(str(checkpoint)) + r": the saved params '[\w.]+' do not match the "
+                                         r"shape, dtype and sha256 recorded when they were saved; the checkpoint is "
+                                         r"corrupt"):
+        linnet_jax.load(checkpoint, progress=False)
+
+
+# ---- tokenizer ----
+
+@pytest.fixture
+def with_tokenizer(tiny_dir):
+    """A tiny model with a tiny word-level tokenizer and a chat template."""
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "abc": 1}, unk_token="[UNK]"))
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    return dataclasses.replace(tiny(tiny_dir), tokenizer=Tokenizer(backend, chat_template=template, unk_token="[UNK]"))
+
+
+def test_lone_surrogate_in_a_prompt_is_named(with_tokenizer):
+    with pytest.raises(ValueError, match=r"the text holds a lone surrogate, U\+D800, at position 3: it is not a "
+                                         "character and cannot be encoded as UTF-8"):
+        linnet_jax.generate(with_tokenizer, "abc\ud800", 4, chat=False)
+    with pytest.raises(ValueError, match=r"messages\[1\]\['content'\] holds a lone surrogate, U\+DFFF, at position 1"):
+        with_tokenizer.tokenizer.apply_chat_template([{"role": "system", "content": "abc"},
+                                                      {"role": "user", "content": "a\udfff"}])
+
+
+# ---- the command line ----
+
+def run_cli(*args, stdin: bytes = b"") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "linnet_jax", *args, "--no-compilation-cache"], input=stdin,
+                          capture_output=True, timeout=300)
+
+
+def test_cli_bad_model_is_one_line_and_exit_1(tmp_path):
+    result = run_cli("generate", "hi", "--model", str(tmp_path / "nope"))
+    assert result.returncode == 1
+    assert result.stderr.decode().splitlines() == [
+        f"linnet-jax generate: error: {tmp_path / 'nope'}: no such file or directory (and not a hub id of the form "
+        "'org/name') (--debug shows the traceback)"]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--top-p", "2"], "linnet-jax: error: top_p must be in (0, 1], got [2.0]"),
+    (["--temperature", "-1"], "linnet-jax: error: temperature must be ≥ 0, got [-1.0]"),
+    (["--max-new-tokens", "-5"], "linnet-jax generate: error: argument --max-new-tokens: must be a positive int, "
+                                 "got -5"),
+    (["--raw", "--system", "Be brief."], "linnet-jax: error: --system needs the chat template; drop --raw"),
+])
+def test_cli_bad_flags_exit_2_before_loading(tmp_path, capsys, flags, expected):
+    """The model does not exist: a flag error that comes first was found before loading."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", "hi", "--model", str(tmp_path / "nope"), *flags])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == expected
+
+
+def test_cli_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        cli.main(["generate", "hi", "--model", str(tmp_path / "nope"), "--debug", "--no-compilation-cache"])
+
+
+def test_cli_chat_names_invalid_utf8_and_goes_on(tiny_dir):
+    result = run_cli("chat", "--model", str(tiny_dir("llama_mha")[1]), stdin=b"ab\xffc\n\n")
+    assert result.returncode == 0, result.stderr.decode()
+    assert "linnet-jax chat: that line is not valid UTF-8 (byte 0xFF at position 2); type it again" in \
+        result.stderr.decode()
+    assert "Traceback" not in result.stderr.decode()
+
+
+def test_cli_chat_reads_valid_utf8_after_an_invalid_line(tiny_dir, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xfe\nok\n"), encoding="utf-8"))
+    monkeypatch.setattr(cli, "stream_reply", lambda model, prompt, args: print("reply to", prompt[-1]["content"]))
+    assert cli.main(["chat", "--model", str(tiny_dir("llama_mha")[1]), "--no-compilation-cache"]) == 0
+    captured = capsys.readouterr()
+    assert "byte 0xFE at position 0" in captured.err and "reply to ok" in captured.out
