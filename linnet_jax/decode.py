@@ -31,6 +31,7 @@ from linnet_jax.models.config import Config
 from linnet_jax.ops import SamplingParams, penalize_repeats, sample
 
 FREE, RUNNING, STOP_ID, LENGTH = -1, 0, 1, 2  # a row's finish state
+TOP_LOGPROBS = 20  # the most likely tokens reported beside each chosen one (OpenAI's top_logprobs limit)
 TRACES = {"prefill": 0, "insert": 0, "decode": 0, "free": 0}  # incremented when a program is traced
 
 
@@ -55,6 +56,8 @@ class Slots:
     count: jax.Array  # [B] int32, tokens generated (the stop token included)
     finish: jax.Array  # [B] int32: FREE, RUNNING, STOP_ID or LENGTH
     seen: jax.Array  # [B, V] bool, prompt and generated tokens (for the repetition penalty)
+    top_ids: jax.Array  # [B, TOP_LOGPROBS] int32, the most likely tokens at the last step (when asked for)
+    top_logprobs: jax.Array  # [B, TOP_LOGPROBS] float32, their logprobs
 
 
 @flax.struct.dataclass
@@ -64,6 +67,8 @@ class Emitted:
     tokens: jax.Array  # [B, out_len] int32
     logprobs: jax.Array  # [B, out_len] float32
     count: jax.Array  # [B] int32
+    top_ids: jax.Array  # [B, out_len, TOP_LOGPROBS] int32 (zeros unless decode was asked for them)
+    top_logprobs: jax.Array  # [B, out_len, TOP_LOGPROBS] float32
 
 
 def empty_slots(config: Config, batch: int, max_len: int, stop_id_slots: int, dtype) -> Slots:
@@ -76,15 +81,22 @@ def empty_slots(config: Config, batch: int, max_len: int, stop_id_slots: int, dt
                       max_new=zeros(jnp.int32))
     return Slots(cache=init_cache(config, batch, max_len, dtype), request=request, token=zeros(jnp.int32),
                  logprob=zeros(jnp.float32), length=zeros(jnp.int32), count=zeros(jnp.int32),
-                 finish=jnp.full((batch,), FREE, jnp.int32), seen=jnp.zeros((batch, config.vocab_size), bool))
+                 finish=jnp.full((batch,), FREE, jnp.int32), seen=jnp.zeros((batch, config.vocab_size), bool),
+                 top_ids=jnp.zeros((batch, TOP_LOGPROBS), jnp.int32),
+                 top_logprobs=jnp.zeros((batch, TOP_LOGPROBS), jnp.float32))
 
 
-def choose(slots: Slots, logits: jax.Array, max_len: int) -> Slots:
-    """Each running row's next token from its logits [B, V], drawn with its key folded with its count."""
+def choose(slots: Slots, logits: jax.Array, max_len: int, top: bool) -> Slots:
+    """Each running row's next token from its logits [B, V], drawn with its key folded with its count.
+    top: also record the TOP_LOGPROBS most likely tokens and their logprobs."""
     request = slots.request
     chosen = sample(penalize_repeats(logits, slots.seen, request.sampling.repetition_penalty), request.sampling,
                     slots.count)
-    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), chosen[:, None], axis=-1)[:, 0]
+    logprobs = jax.nn.log_softmax(logits)
+    logprob = jnp.take_along_axis(logprobs, chosen[:, None], axis=-1)[:, 0]
+    if top:
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
+        slots = slots.replace(top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
     running = slots.finish == RUNNING
     count, length = slots.count + running, slots.length + running
     finish = jnp.where(running & jnp.any(chosen[:, None] == request.stop_ids, axis=1), STOP_ID, slots.finish)
@@ -104,7 +116,7 @@ def choose(slots: Slots, logits: jax.Array, max_len: int) -> Slots:
 def prefill(params: Params, config: Config, tokens: jax.Array, positions: jax.Array, request: Request,
             max_len: int, constrain=None) -> Slots:
     """One request's prompt, left-padded to a bucket T (tokens, positions [1, T]; position -1 at padding),
-    through a cache of its own T slots; its first token chosen. max_len: the slots of the state it will
+    through a cache of its own T slots; its first token chosen (with its top logprobs). max_len: the slots of the state it will
     join (a prompt that fills them finishes at once with LENGTH). constrain: forward's sharding constraints."""
     TRACES["prefill"] += 1
     length = tokens.shape[1]
@@ -115,8 +127,9 @@ def prefill(params: Params, config: Config, tokens: jax.Array, positions: jax.Ar
     prompt = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
     zero = jnp.zeros((1,), jnp.int32)
     slots = Slots(cache=cache, request=request, token=zero, logprob=jnp.zeros((1,)), length=prompt, count=zero,
-                  finish=zero + RUNNING, seen=seen)
-    return choose(slots, logits[:, 0], max_len)
+                  finish=zero + RUNNING, seen=seen, top_ids=jnp.zeros((1, TOP_LOGPROBS), jnp.int32),
+                  top_logprobs=jnp.zeros((1, TOP_LOGPROBS)))
+    return choose(slots, logits[:, 0], max_len, top=True)
 
 
 def ring_row(prefix: jax.Array, slots: int, shift: jax.Array, axis: int, fill) -> jax.Array:
@@ -156,34 +169,39 @@ def insert(prefix: Slots, slots: Slots, slot: jax.Array) -> Slots:
     return rows.replace(cache=cache, finish=finish)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 4, 5), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(1, 4, 5, 6), donate_argnums=(2,))
 def decode(params: Params, config: Config, slots: Slots, steps: jax.Array, out_len: int,
-           constrain=None) -> tuple[Slots, Emitted]:
+           constrain=None, top: bool = False) -> tuple[Slots, Emitted]:
     """Up to `steps` (≤ out_len) single-token steps over every running row, until none is running.
 
     Each step feeds every running row its last token at position length - 1; other rows feed position
-    -1, which writes nothing and is masked. Returns the state and what each row emitted."""
+    -1, which writes nothing and is masked. Returns the state and what each row emitted (with each
+    token's TOP_LOGPROBS most likely alternatives when `top`)."""
     TRACES["decode"] += 1
     batch = slots.token.shape[0]
     start = slots.count
 
     def step(carry):
-        slots, tokens, logprobs, i = carry
+        slots, out, i = carry
         running = slots.finish == RUNNING
         positions = jnp.where(running, slots.length - 1, -1)[:, None]
         logits, cache = forward(params, config, slots.token[:, None], positions, slots.cache, constrain=constrain)
-        slots = choose(slots.replace(cache=cache), logits[:, 0], slots.cache.max_len)
-        tokens = jax.lax.dynamic_update_slice(tokens, slots.token[:, None], (0, i))
-        logprobs = jax.lax.dynamic_update_slice(logprobs, slots.logprob[:, None], (0, i))
-        return slots, tokens, logprobs, i + 1
+        slots = choose(slots.replace(cache=cache), logits[:, 0], slots.cache.max_len, top)
+        columns = (slots.token, slots.logprob, slots.top_ids, slots.top_logprobs)
+        out = tuple(jax.lax.dynamic_update_index_in_dim(buffer, column, i, 1) for buffer, column in zip(out, columns))
+        return slots, out, i + 1
 
     def going(carry):
-        slots, _, _, i = carry
+        slots, _, i = carry
         return (i < steps) & jnp.any(slots.finish == RUNNING)
 
-    empty = (jnp.zeros((batch, out_len), jnp.int32), jnp.zeros((batch, out_len), jnp.float32))
-    slots, tokens, logprobs, _ = jax.lax.while_loop(going, step, (slots, *empty, jnp.zeros((), jnp.int32)))
-    return slots, Emitted(tokens=tokens, logprobs=logprobs, count=slots.count - start)
+    top_shape = (batch, out_len, TOP_LOGPROBS)
+    empty = (jnp.zeros((batch, out_len), jnp.int32), jnp.zeros((batch, out_len), jnp.float32),
+             jnp.zeros(top_shape, jnp.int32), jnp.zeros(top_shape, jnp.float32))
+    slots, out, _ = jax.lax.while_loop(going, step, (slots, empty, jnp.zeros((), jnp.int32)))
+    tokens, logprobs, top_ids, top_logprobs = out
+    return slots, Emitted(tokens=tokens, logprobs=logprobs, count=slots.count - start, top_ids=top_ids,
+                          top_logprobs=top_logprobs)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

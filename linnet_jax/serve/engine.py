@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import jax
 import numpy as np
 
-from linnet_jax.decode import RUNNING, STOP_ID, TRACES, decode, free, insert, prefill
+from linnet_jax.decode import RUNNING, STOP_ID, TOP_LOGPROBS, TRACES, decode, free, insert, prefill
 from linnet_jax.generate import (MIN_BUCKET, Generation, check_max_new_tokens, cut_at_stop, eos_ids, finish_row,
                                  held_back, left_pad, make_prompts, make_requests, make_sampling, new_slots,
                                  stop_id_array)
@@ -43,6 +43,7 @@ class Piece:
     text: str
     tokens: list[int]
     logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]  # per token, its top_logprobs most likely (id, logprob); or []
 
 
 @dataclasses.dataclass
@@ -52,6 +53,7 @@ class Work:
     prompt: list[int]
     request: object  # linnet_jax.decode.Request, one row
     stops: list[str]
+    top_logprobs: int  # how many alternatives to report beside each token (0: none)
     handle: "Handle"
 
 
@@ -62,6 +64,7 @@ class Handle:
         self.engine, self.prompt_tokens, self.stops = engine, prompt_tokens, stops
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
         self.generation: Generation | None = None
         self.cancelled = False
         self.submitted = time.perf_counter()
@@ -118,20 +121,24 @@ class Handle:
         with self._changed:
             final = self.generation
             tokens, logprobs = (final.tokens, final.logprobs) if final else (list(self.tokens), list(self.logprobs))
+            top = self.top[:len(tokens)]
         tokenizer = self.engine.model.tokenizer
         text = final.text if final else (tokenizer.decode(tokens) if tokenizer else None)
         if final is None and text is not None and held_back(text, self.stops):
             return None
-        piece = Piece(text=(text or "")[sent.chars:], tokens=tokens[sent.tokens:], logprobs=logprobs[sent.tokens:])
+        piece = Piece(text=(text or "")[sent.chars:], tokens=tokens[sent.tokens:], logprobs=logprobs[sent.tokens:],
+                      top_logprobs=top[sent.tokens:])
         sent.chars, sent.tokens, sent.final = len(text or ""), len(tokens), final is not None
         return piece if (piece.text or piece.tokens) else None
 
-    def _update(self, tokens: list[int], logprobs: list[float], generation: Generation | None = None) -> None:
+    def _update(self, tokens: list[int], logprobs: list[float], top: list[list[tuple[int, float]]] = (),
+                generation: Generation | None = None) -> None:
         with self._changed:
             if tokens and self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
             self.tokens += tokens
             self.logprobs += logprobs
+            self.top += top
             self.generation = generation
             self._changed.notify_all()
             listeners = list(self._listeners)
@@ -197,12 +204,13 @@ class Engine:
 
     def submit(self, prompt=None, *, tokens=None, max_tokens: int | None = None, temperature=0.0, top_k=0, top_p=1.0,
                min_p=0.0, repetition_penalty=1.0, seed: int | None = None, choice: int = 0, stop=None,
-               stop_token_ids=None, ignore_eos: bool = False, chat: bool | None = None) -> Handle:
+               stop_token_ids=None, ignore_eos: bool = False, chat: bool | None = None, top_logprobs: int = 0) -> Handle:
         """Queue one request: a prompt (text or a conversation) or `tokens` (ids). Returns its Handle.
 
         max_tokens: default, what the slot has room for (max_len minus the prompt). seed: None draws one
         at random for a sampled request; choice i draws stream i of the seed (OpenAI's n), as row i of
-        `generate(..., seed=seed)` does. A ValueError names what is wrong; QueueFull when the queue is full.
+        `generate(..., seed=seed)` does. top_logprobs: report that many most likely tokens (≤ TOP_LOGPROBS) beside
+        each. A ValueError names what is wrong; QueueFull when the queue is full.
         """
         prompts = make_prompts(self.model, prompt, tokens, chat)
         if len(prompts.prompts) != 1:
@@ -221,13 +229,17 @@ class Engine:
             raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
         if isinstance(choice, bool) or not isinstance(choice, (int, np.integer)) or choice < 0:
             raise ValueError(f"choice must be an int ≥ 0, got {choice!r}")
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, (int, np.integer)) \
+                or not 0 <= top_logprobs <= TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an int in [0, {TOP_LOGPROBS}], got {top_logprobs!r}")
         seed = secrets.randbits(63) if seed is None else seed
         sampling = make_sampling(1, temperature, top_k, top_p, min_p, repetition_penalty, seed)
         if choice:
             sampling = make_sampling(choice + 1, temperature, top_k, top_p, min_p, repetition_penalty, seed)
             sampling = jax.tree.map(lambda column: column[choice:choice + 1], sampling)
         request = make_requests(sampling, stop_id_array(self.model, stop_token_ids, ignore_eos), max_tokens)
-        work = Work(prompt=ids, request=request, stops=stops, handle=Handle(self, len(ids), stops))
+        work = Work(prompt=ids, request=request, stops=stops, top_logprobs=int(top_logprobs),
+                    handle=Handle(self, len(ids), stops))
         with self._wake:
             if self._closing:
                 raise RuntimeError("the engine is shutting down: it admits no new requests")
@@ -240,8 +252,9 @@ class Engine:
     def warmup(self) -> None:
         """Compile every program the engine uses (each prefill bucket, insert, decode, free), then count
         compiles from here on (`compiles_after_warmup`)."""
-        handles = [self.submit(tokens=[1] * max(1, min(size, self.max_len - 2)), max_tokens=2, ignore_eos=True)
-                   for size in self.buckets()]
+        handles = [self.submit(tokens=[1] * max(1, min(size, self.max_len - 2)), max_tokens=2, ignore_eos=True,
+                               top_logprobs=top)
+                   for size in self.buckets() for top in (0, 1)]  # decode with and without top logprobs
         for handle in handles:
             handle.result()
         self.warm_traces = sum(TRACES.values())
@@ -324,23 +337,36 @@ class Engine:
             self.state = insert(prefix, self.state, slot)
             with self._wake:
                 self.owners[slot] = work
-            self._deliver(slot, [int(host(self.state.token)[slot])], [float(host(self.state.logprob)[slot])])
+            top = self._top(work, host(self.state.top_ids)[slot][None], host(self.state.top_logprobs)[slot][None])
+            self._deliver(slot, [int(host(self.state.token)[slot])], [float(host(self.state.logprob)[slot])], top)
 
     def _dispatch(self) -> None:
         """steps_per_dispatch decode steps over every busy slot; hand out the tokens."""
         model = self.model
+        top = any(work is not None and work.top_logprobs for work in self.owners)
         self.state, emitted = decode(model.decode_params, model.config, self.state, np.int32(self.steps), self.steps,
-                                     model.layout and model.layout.constrain)
+                                     model.layout and model.layout.constrain, top)
         tokens, logprobs, counts = host(emitted.tokens), host(emitted.logprobs), host(emitted.count)
+        top_ids, top_logprobs = (host(emitted.top_ids), host(emitted.top_logprobs)) if top else (None, None)
         for slot, work in enumerate(self.owners):
             if work is not None and counts[slot]:
-                self._deliver(slot, tokens[slot, :counts[slot]].tolist(), logprobs[slot, :counts[slot]].tolist())
+                n = counts[slot]
+                alternatives = self._top(work, top_ids[slot, :n], top_logprobs[slot, :n]) if top else []
+                self._deliver(slot, tokens[slot, :n].tolist(), logprobs[slot, :n].tolist(), alternatives)
 
-    def _deliver(self, slot: int, tokens: list[int], logprobs: list[float]) -> None:
+    @staticmethod
+    def _top(work: Work, ids: np.ndarray, logprobs: np.ndarray) -> list[list[tuple[int, float]]]:
+        """Per token, the request's top_logprobs most likely (id, logprob) pairs ([] when it asked for none)."""
+        if not work.top_logprobs:
+            return []
+        k = work.top_logprobs
+        return [list(zip(row_ids[:k].tolist(), row_logprobs[:k].tolist())) for row_ids, row_logprobs in zip(ids, logprobs)]
+
+    def _deliver(self, slot: int, tokens: list[int], logprobs: list[float], top: list) -> None:
         """A slot's new tokens to its request; the request finished when its row did or a stop string appeared."""
         work = self.owners[slot]
         self.counters["tokens_generated"] += len(tokens)
-        work.handle._update(tokens, logprobs)
+        work.handle._update(tokens, logprobs, top)
         finish, tokenizer = int(host(self.state.finish)[slot]), self.model.tokenizer
         if work.stops and cut_at_stop(tokenizer.decode(work.handle.tokens), work.stops) is not None:
             self._vacate(slot, "length")  # finish_row finds the stop string and says "stop"
@@ -365,6 +391,6 @@ class Engine:
             tokens, logprobs = tokens[:-1], logprobs[:-1]
         generation = finish_row(self.model.tokenizer, tokens, reason, logprobs, work.stops)
         self.counters["requests_finished"] += 1
-        handle._update([], [], generation)
+        handle._update([], [], [], generation)
         for hook in self.on_finish:
             hook(handle)
