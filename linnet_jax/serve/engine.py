@@ -252,11 +252,11 @@ class Engine:
     def warmup(self) -> None:
         """Compile every program the engine uses (each prefill bucket, insert, decode, free), then count
         compiles from here on (`compiles_after_warmup`)."""
-        handles = [self.submit(tokens=[1] * max(1, min(size, self.max_len - 2)), max_tokens=2, ignore_eos=True,
-                               top_logprobs=top)
-                   for size in self.buckets() for top in (0, 1)]  # decode with and without top logprobs
-        for handle in handles:
-            handle.result()
+        for top in (0, 1):  # decode without, then with, top logprobs
+            handles = [self.submit(tokens=[1] * max(1, min(size, self.max_len - 2)), max_tokens=2, ignore_eos=True,
+                                   top_logprobs=top) for size in self.buckets()]
+            for handle in handles:
+                handle.result()
         self.warm_traces = sum(TRACES.values())
 
     @property
