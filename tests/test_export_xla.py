@@ -107,6 +107,7 @@ def test_stablehlo_tiny_runs_standalone(tiny_dir, tmp_path):
     assert manifest["weights"]["tensors"][1]["name"] == "layers.0.attn_norm"  # per layer: the unrolled programs
     assert manifest["cache"]["k.1"] == {"shape": [2, 64, 16], "dtype": "float32", "fill": 0.0}
     assert manifest["cache"]["positions"] == {"shape": [1, 64], "dtype": "int32", "fill": -1}
+    assert manifest["capacity"]["slots_per_row"] == 64 and "must hold position -1" in manifest["capacity"]["rule"]
     assert "mesh" not in manifest and "spec" not in manifest["weights"]["tensors"][0]  # unsharded: no mesh
     for name in ("prefill_T16", "prefill_T32", "decode"):
         text = (out / f"{name}.mlir").read_text()

@@ -228,6 +228,9 @@ def manifest(model, weights: dict[str, np.ndarray], cache: dict[str, jax.ShapeDt
         "weights": {"file": WEIGHTS, "tensors": [
             {"name": name, "shape": list(array.shape), "dtype": str(array.dtype)} for name, array in weights.items()]},
         "cache": cache_manifest(model.config, cache),
+        "capacity": {"slots_per_row": max_len, "rule": (
+            f"each row holds at most {max_len} tokens: a call writes its T tokens to the T slots at 'cursor' "
+            f"(mod {max_len}) of every row, and those slots must hold position -1 (empty) before it")},
         "config": model.config.to_hf(),
         "generation_config": generation_config(model.config, model.tokenizer),
     }
