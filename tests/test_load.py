@@ -106,8 +106,7 @@ def test_import_changes_no_global_jax_setting():
         "after = {k: getattr(jax.config, k) for k in before}\n"
         "assert before == after, (before, after)\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    run_fresh(script)
 
 
 def test_import_leaves_the_exporters_and_gguf_until_used():
@@ -119,6 +118,11 @@ def test_import_leaves_the_exporters_and_gguf_until_used():
         "assert not heavy, heavy\n"
         "assert callable(linnet_jax.export.hf) and callable(linnet_jax.export.gguf) and 'gguf' in sys.modules\n"
     )
+    run_fresh(script)
+
+
+def run_fresh(script: str) -> None:
+    """Run a python script in a fresh process; its failure fails the test."""
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
 
