@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from linnet_jax.models.config import Config
+from linnet_jax.models.lora import Lora
 from linnet_jax.models.params import LayerParams, Params
 from linnet_jax.ops import apply_rope, attention, inverse_frequencies, rms_norm, swiglu
 
@@ -64,13 +65,17 @@ def unstack_cache(cache: KVCache) -> KVCache:
     return cache.replace(k=tuple(cache.k), v=tuple(cache.v))
 
 
-def project_qkv(h: jax.Array, lp: LayerParams, config: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Query, key and value heads of one layer: h [B, T, D] → q [B, T, H, K], k and v [B, T, G, K]."""
+def project_qkv(h: jax.Array, lp: LayerParams, config: Config, lora: Lora | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Query, key and value heads of one layer: h [B, T, D] → q [B, T, H, K], k and v [B, T, G, K].
+    lora: one layer's adapters, added to the biased projections."""
     q = jnp.einsum("btd,dhk->bthk", h, lp.wq)
     k = jnp.einsum("btd,dgk->btgk", h, lp.wk)
     v = jnp.einsum("btd,dgk->btgk", h, lp.wv)
     if config.qkv_bias:
         q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
+    if lora is not None:
+        q, k, v = lora.add(q, "wq", h), lora.add(k, "wk", h), lora.add(v, "wv", h)
     if config.qk_norm:
         q = rms_norm(q, lp.q_norm, config.rms_norm_eps)
         k = rms_norm(k, lp.k_norm, config.rms_norm_eps)
@@ -132,18 +137,21 @@ def decoder_layer(
     window: jax.Array,
     layer: int | jax.Array,
     cache: KVCache | None,
+    segment_ids: jax.Array | None = None,
+    lora: Lora | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
-    """One pre-norm block: x + attention(norm(x)), then + swiglu(norm(x)). x: [B, T, D]."""
+    """One pre-norm block: x + attention(norm(x)), then + swiglu(norm(x)). x: [B, T, D].
+    segment_ids, lora: see `forward` (lora: this layer's slices)."""
     rope_positions = jnp.maximum(positions, 0)
     inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
     with jax.named_scope("attention"):
-        q, k, v = project_qkv(rms_norm(x, lp.attn_norm, config.rms_norm_eps), lp, config)
+        q, k, v = project_qkv(rms_norm(x, lp.attn_norm, config.rms_norm_eps), lp, config, lora)
         q = apply_rope(q, rope_positions, inv_freq)
         k = apply_rope(k, rope_positions, inv_freq)
         b, t, g, d = k.shape
         keys = jnp.swapaxes(k, 1, 2).reshape(b * g, t, d)  # [N, T, K]
         values = jnp.transpose(v, (0, 2, 3, 1)).reshape(b * g, d, t)  # [N, K, T]
-        own = lambda: attention(q, keys, values, rope_positions, positions, window)  # noqa: E731
+        own = lambda: attention(q, keys, values, rope_positions, positions, window, segment_ids)  # noqa: E731
         if cache is None:
             mixed = own()
         else:
@@ -152,9 +160,11 @@ def decoder_layer(
             # Tokens written into an empty cache (a prefill) see only each other: skip the empty slots.
             mixed = cached() if t == 1 else jax.lax.cond(jnp.all(cache.lengths == t), own, cached)
         out = jnp.einsum("bthk,hkd->btd", mixed, lp.wo)
-        x = x + (out + lp.bo if config.o_bias else out)
+        out = out + lp.bo if config.o_bias else out
+        x = x + (out if lora is None else lora.add(out, "wo", mixed))
     with jax.named_scope("mlp"):
-        x = x + swiglu(rms_norm(x, lp.mlp_norm, config.rms_norm_eps), lp.w_gate, lp.w_up, lp.w_down)
+        x = x + swiglu(rms_norm(x, lp.mlp_norm, config.rms_norm_eps), lp.w_gate, lp.w_up, lp.w_down,
+                       None if lora is None else lora.add)
     return x, cache
 
 
@@ -166,6 +176,10 @@ def forward(
     cache: KVCache | None = None,
     logits_at: jax.Array | None = None,
     constrain: Callable[[jax.Array, tuple[str, ...]], jax.Array] | None = None,
+    *,
+    segment_ids: jax.Array | None = None,
+    lora: Lora | None = None,
+    remat: bool = False,
 ) -> tuple[jax.Array, KVCache | None]:
     """Logits of the next token at each new position, and the updated cache.
 
@@ -175,16 +189,25 @@ def forward(
     those positions' logits are computed ([B, 1, V]). constrain(array, logical axes): applied to
     the activations at every block boundary and to the logits (sharding constraints,
     `linnet_jax.sharding.Layout.constrain`); None for none.
+    For training (no cache only): segment_ids [B, T] int, the document of each token in packed
+    rows, so attention never crosses documents; lora, adapters on the projections (stacked on [L]);
+    remat, recompute each layer's activations in the backward pass (`jax.checkpoint`).
     Returns (float32 logits [B, T, V] or [B, 1, V], cache).
     """
+    if cache is not None and (segment_ids is not None or remat):
+        raise ValueError("segment_ids and remat are for the full forward: pass cache=None")
     constrain = constrain or (lambda array, axes: array)
+    unrolled = isinstance(params.layers, tuple)  # then window and layer are Python ints: static under remat
+    layer_fn = jax.checkpoint(decoder_layer, static_argnums=(2, 4, 5) if unrolled else 2) if remat else decoder_layer
     activation = ("batch", "seq", "embed")  # the logical axes of x
     x = constrain(jnp.take(params.embed, tokens, axis=0), activation)
     if cache is not None:
         cache = append_positions(cache, positions)
-    if isinstance(params.layers, tuple):
+    if unrolled:
         for layer, lp in enumerate(params.layers):
-            x, cache = decoder_layer(x, lp, config, positions, config.layer_windows[layer], layer, cache)
+            adapters = None if lora is None else jax.tree.map(lambda w: w[layer], lora)  # noqa: B023
+            x, cache = layer_fn(x, lp, config, positions, config.layer_windows[layer], layer, cache, segment_ids,
+                                adapters)
             x = constrain(x, activation)
     else:
         if cache is not None and isinstance(cache.k, tuple):
@@ -192,13 +215,13 @@ def forward(
 
         def body(carry, layer_inputs):
             x, cache = carry
-            lp, window, layer = layer_inputs
-            x, cache = decoder_layer(x, lp, config, positions, window, layer, cache)
+            lp, window, layer, adapters = layer_inputs
+            x, cache = layer_fn(x, lp, config, positions, window, layer, cache, segment_ids, adapters)
             return (constrain(x, activation), cache), None
 
         windows = jnp.asarray(config.layer_windows, jnp.int32)
         layer_ids = jnp.arange(config.num_layers)
-        (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, windows, layer_ids))
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (params.layers, windows, layer_ids, lora))
     x = rms_norm(x, params.final_norm, config.rms_norm_eps)
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
