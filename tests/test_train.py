@@ -75,3 +75,128 @@ def test_gradients_match_torch(name, tiny_dir):
 def test_gradients_match_torch_smollm2(smollm2, smollm2_reference):
     batch = masked_batch(smollm2.config.vocab_size, [48, 37], 48, seed=1)
     check_gradients("SmolLM2", smollm2, smollm2_reference, batch)
+
+
+def random_adapters(config, rank: int, targets: tuple[str, ...], seed: int = 0) -> train.Lora:
+    """Adapters with B random too, so that every adapter gets a gradient and changes the logits."""
+    lora = train.init_lora(config, train.LoraConfig(rank=rank, alpha=2.0 * rank, targets=targets), jax.random.key(seed))
+    keys = jax.random.split(jax.random.key(seed + 1), len(lora.b))
+    return lora.replace(b={field: 0.05 * jax.random.normal(key, b.shape) for key, (field, b) in zip(keys, lora.b.items())})
+
+
+def full_logits(model, tokens: np.ndarray, lora=None) -> np.ndarray:
+    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+    return np.asarray(jax.jit(lambda p, l: linnet_jax.models.forward(p, model.config, tokens, positions, lora=l)[0])(
+        model.params, lora))
+
+
+def peft_model(reference: torch.nn.Module, adapter_dir, trainable: bool = False):
+    import peft
+
+    return peft.PeftModel.from_pretrained(copy.deepcopy(reference), adapter_dir, is_trainable=trainable)
+
+
+LORA_CASES = {"llama_linear_untied": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+              "qwen2_bias_tied": ("q_proj", "v_proj", "o_proj", "down_proj"),
+              "mistral_sliding": ("k_proj", "gate_proj", "up_proj")}
+
+
+@pytest.mark.parametrize("name", sorted(LORA_CASES))
+def test_lora_gradients_match_peft(name, tiny_dir, tmp_path):
+    """Our adapters, exported with export.peft and loaded by PEFT: same loss and adapter gradients."""
+    reference, directory = tiny_dir(name)
+    model = linnet_jax.load(directory, progress=False)
+    lora = random_adapters(model.config, 4, LORA_CASES[name])
+    batch = masked_batch(model.config.vocab_size, [40, 26], 40, seed=2)
+    value, grads = train.gradients(model.params, model.config, jax.tree.map(jnp.asarray, batch), lora=lora)
+    with pytest.warns(UserWarning, match="rank 4 is not one vLLM serves"):
+        linnet_jax.export.peft(model, lora, tmp_path / "adapter")
+    adapted = peft_model(reference, tmp_path / "adapter", trainable=True)
+    expected = torch_loss(adapted, batch)
+    expected.backward()
+    expected_grads = {n.replace(".default", ""): p.grad.numpy() for n, p in adapted.named_parameters() if p.requires_grad}
+    from linnet_jax.export._peft import peft_state
+
+    errors = relative_errors(peft_state(grads), expected_grads)
+    worst = max(errors, key=errors.get)
+    loss_diff = abs(float(value) - expected.item())
+    GRADIENT_TABLE[f"tiny {name} LoRA r=4 vs PEFT"] = (loss_diff, errors[worst], worst)
+    record_parity(f"train tiny {name} LoRA: worst adapter gradient vs PEFT", errors[worst])
+    assert loss_diff < LOSS_BOUND and errors[worst] < GRAD_BOUND, (loss_diff, worst, errors[worst])
+
+
+def test_lora_identities_and_peft_export(tiny_dir, tmp_path):
+    """B = 0 leaves the logits exactly; merged equals unmerged; PEFT on our HF export gives our logits."""
+    reference, directory = tiny_dir("qwen2_bias_tied")
+    model = linnet_jax.load(directory, progress=False)
+    tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 24)).astype(np.int32)
+    fresh = train.init_lora(model.config, train.LoraConfig(rank=8, alpha=16), jax.random.key(0))
+    assert np.array_equal(full_logits(model, tokens, fresh), full_logits(model, tokens))
+    lora = random_adapters(model.config, 8, tuple(train.TARGETS))
+    adapted = full_logits(model, tokens, lora)
+    assert np.abs(adapted - full_logits(model, tokens)).max() > 1e-2  # the adapters do change the model
+    merged = train.merge_lora(model, lora)
+    merge_diff = float(np.abs(np.asarray(linnet_jax.logits(merged, tokens)) - adapted).max())
+    record_parity("train tiny qwen2 LoRA merged vs unmerged (not transformers)", merge_diff)
+    assert merge_diff < 1e-5
+    linnet_jax.export.hf(model, tmp_path / "base", progress=False)
+    linnet_jax.export.peft(model, lora, tmp_path / "adapter", base=str(tmp_path / "base"))
+    import json
+
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["lora_alpha"] == 16 and config["modules_to_save"] is None
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32,
+                                                             attn_implementation="eager")
+    with torch.no_grad():
+        expected = peft_model(base, tmp_path / "adapter").eval()(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    peft_diff = float(np.abs(expected - adapted).max())
+    record_parity("train tiny qwen2 export.peft loaded by PEFT on export.hf", peft_diff)
+    assert peft_diff < 1e-4
+
+
+def lora_state_sizes(state: train.TrainState) -> tuple[int, int]:
+    """(scalars in the optimizer state's arrays, scalars in the adapters)."""
+    return sum(x.size for x in jax.tree.leaves(state.opt_state)), sum(x.size for x in jax.tree.leaves(state.lora))
+
+
+def test_lora_step_freezes_the_base(tiny_dir):
+    model = linnet_jax.load(tiny_dir("llama_mha")[1], progress=False)
+    config = train.LoraConfig(rank=8, alpha=16, targets=("q_proj", "v_proj"))
+    optimizer = train.optimizer(1e-2)
+    state = train.init_state(model, optimizer, lora=config)
+    before = jax.tree.map(np.asarray, state.params)
+    opt_size, lora_size = lora_state_sizes(state)
+    assert lora_size < opt_size < 2 * lora_size + 16  # Adam's two moments of the adapters, and a few scalars
+    step = train.make_train_step(optimizer, lora=config)
+    batch = train.shard_batch(masked_batch(model.config.vocab_size, [20, 14], 20), None)
+    for _ in range(2):
+        state, metrics = step(state, batch)
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)))
+    assert float(np.abs(np.asarray(state.lora.b["wq"])).max()) > 0  # B left zero: the adapters did train
+    assert int(state.step) == 2 and float(metrics["lr"]) == pytest.approx(1e-2)
+    with pytest.raises(ValueError, match="needs a state with adapters"):
+        train.make_train_step(optimizer)(state, batch)
+
+
+@pytest.mark.parametrize("lora", [None, train.LoraConfig(rank=4, alpha=8)], ids=["full", "lora"])
+def test_accumulation_equals_a_larger_batch(tiny_dir, lora):
+    """accum_steps=4 over 8 rows of unequal target counts = one step over the 8 rows: same metrics and update."""
+    model = linnet_jax.load(tiny_dir("llama_gqa_llama3")[1], progress=False)
+    batch = masked_batch(model.config.vocab_size, [32, 5, 17, 32, 9, 28, 12, 3], 32, seed=4)
+    results = []
+    for accum_steps in (1, 4):
+        optimizer = train.optimizer(1e-3)
+        state = train.init_state(model, optimizer, lora=lora, seed=1)
+        if lora is not None:  # non-zero B, so that A gets a gradient too
+            state = state.replace(lora=random_adapters(model.config, 4, lora.targets, seed=1))
+            state = state.replace(opt_state=optimizer.init(state.lora))
+        step = train.make_train_step(optimizer, lora=lora, accum_steps=accum_steps)
+        state, metrics = step(state, train.shard_batch(batch, None))
+        results.append((jax.tree.map(np.asarray, state.trained), {k: float(v) for k, v in metrics.items()}))
+    (one, m1), (four, m4) = results
+    assert m1["tokens"] == m4["tokens"] == float((batch["loss_mask"][:, 1:] * batch["segment_ids"][:, 1:]).sum())
+    assert m4["loss"] == pytest.approx(m1["loss"], rel=1e-6) and m4["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(four)):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)

@@ -119,13 +119,16 @@ def init_state(model, optimizer: optax.GradientTransformation, *, lora: LoraConf
                seed: int = 0) -> TrainState:
     """The state a run starts from: the model's params, fresh adapters when `lora` is given (B = 0, so the
     model is unchanged; replicated over a sharded model's mesh), and the optimizer state of the trained part
-    (placed like it)."""
-    adapters = None
+    (placed like it). Full fine-tuning trains a copy of the params: the step donates its state, and the
+    model stays usable."""
+    params, adapters = model.params, None
     if lora is not None:
         adapters = init_lora(model.config, lora, jax.random.key(seed))
         if model.layout is not None:
             adapters = jax.device_put(adapters, model.layout.replicated())
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=model.params, lora=adapters, opt_state=None,
+    else:
+        params = jax.tree.map(jnp.copy, params)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, lora=adapters, opt_state=None,
                        config=model.config, layout=model.layout)
     return state.replace(opt_state=optimizer.init(state.trained))
 
@@ -148,7 +151,8 @@ def micro_batches(batch: dict, accum_steps: int) -> dict:
 
 def make_train_step(optimizer: optax.GradientTransformation, *, lora: LoraConfig | None = None, accum_steps: int = 1,
                     compute_dtype=None, remat: bool = False):
-    """A jitted step(state, batch) -> (state, metrics), the state donated.
+    """step(state, batch) -> (state, metrics): one jitted update, the state donated (under LoRA all of it but
+    the frozen params, which stay the model's).
 
     lora: train the state's adapters over frozen params (no gradient and no optimizer state for them);
     None trains the params. accum_steps: split the batch into that many micro-batches, run one at a time
@@ -167,10 +171,9 @@ def make_train_step(optimizer: optax.GradientTransformation, *, lora: LoraConfig
 
     gradient = jax.value_and_grad(objective, has_aux=True)
 
-    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        if (lora is None) != (state.lora is None):
-            raise ValueError("make_train_step(lora=...) needs a state with adapters (init_state(..., lora=...)), "
-                             "and lora=None one without")
+    def update(state: TrainState, frozen: Params | None, batch: dict) -> tuple[TrainState, dict]:
+        if frozen is not None:
+            state = state.replace(params=frozen)
         if accum_steps == 1:
             (total, count), grads = gradient(state.trained, state, batch)
         else:
@@ -187,11 +190,22 @@ def make_train_step(optimizer: optax.GradientTransformation, *, lora: LoraConfig
         trained = optax.apply_updates(state.trained, updates)
         state = state.replace(step=state.step + 1, opt_state=opt_state,
                               **({"lora": trained} if lora is not None else {"params": trained}))
-        metrics = {"loss": total / denominator, "grad_norm": optax.global_norm(grads), "tokens": count,
+        metrics = {"loss": total / denominator, "grad_norm": optax.tree.norm(grads), "tokens": count,
                    "lr": learning_rate(opt_state)}
-        return state, metrics
+        return state.replace(params=None) if frozen is not None else state, metrics
 
-    return jax.jit(step, donate_argnums=0)
+    update = jax.jit(update, donate_argnums=0)
+
+    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        if (lora is None) != (state.lora is None):
+            raise ValueError("make_train_step(lora=...) needs a state with adapters (init_state(..., lora=...)), "
+                             "and lora=None one without")
+        if lora is None:
+            return update(state, None, batch)
+        new, metrics = update(state.replace(params=None), state.params, batch)
+        return new.replace(params=state.params), metrics
+
+    return step
 
 
 def gradients(params: Params, config: Config, batch: dict, *, lora: Lora | None = None, **options):
