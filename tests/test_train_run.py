@@ -4,6 +4,8 @@ down and teaches SmolLM2 a fact, and the `linnet-jax finetune` command."""
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -88,3 +90,50 @@ def test_remat_and_compute_dtype(tiny_chat):
     lowered = jax.jit(lambda p: train.loss(p, tiny_chat.config, batch, compute_dtype=jnp.bfloat16)).lower(
         tiny_chat.params).as_text()
     assert "bf16" in lowered
+
+
+def test_lora_teaches_smollm2_facts(smollm2, tmp_path):
+    """LoRA r=8 on four made-up facts, a few steps: the loss falls and greedy generate answers with them, from the
+    model directory the run ends in."""
+    data = write_jsonl(tmp_path / "facts.jsonl", fact_records())
+    before = [linnet_jax.generate(smollm2, q, max_new_tokens=16) for q, _ in FACTS]
+    result = train.finetune(data, tmp_path / "run", model=smollm2, lora_rank=8, lora_alpha=16, steps=10,
+                            batch_size=4, seq_len=64, lr=3e-3, packing=False, progress=False)
+    first, last = result.metrics[0]["loss"], result.metrics[-1]["loss"]
+    assert last < first / 10, (first, last)
+    tuned = linnet_jax.load(result.model_dir, progress=False)
+    after = [linnet_jax.generate(tuned, q, max_new_tokens=16) for q, _ in FACTS]
+    taught = [answer in reply for (_, answer), reply in zip(FACTS, after)]
+    print(f"SmolLM2 LoRA: loss {first:.4f} -> {last:.4f}; before {before}; after {after}")
+    assert sum(taught) >= 3, after
+    assert not any(answer in reply for (_, answer), reply in zip(FACTS, before))
+    config = json.loads((result.adapter_dir / "adapter_config.json").read_text())
+    assert config["r"] == 8 and len(config["target_modules"]) == 7
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "linnet_jax", "finetune", "--no-compilation-cache", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_finetune_command(tiny_chat, chat_data, tmp_path):
+    model_dir = linnet_jax.export.hf(tiny_chat, tmp_path / "base", progress=False)
+    out = tmp_path / "out"
+    common = ["--data", str(chat_data), "--model", str(model_dir), "--lora-rank", "8", "--batch-size", "2",
+              "--seq-len", "64", "--lr", "3e-3", "--save-every", "2"]
+    done = run_cli(*common, "--steps", "3", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "loss=" in done.stderr and "tok_s=" in done.stderr  # the progress bar
+    assert f"model: {out / 'model'}" in done.stdout and f"PEFT adapter: {out / 'adapter'}" in done.stdout
+    again = run_cli(*common, "--steps", "5", "--resume", str(out))
+    assert again.returncode == 0, again.stderr[-3000:]
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == [1, 2, 3, 4, 5]
+    tuned = linnet_jax.load(out / "model", progress=False)
+    assert len(linnet_jax.generate(tuned, tokens=[[1, 2, 3]], max_new_tokens=4, ignore_eos=True)[0]) == 4
+    linnet_jax.export.gguf(tuned, tmp_path / "tuned.gguf", dtype="f32")
+    assert linnet_jax.load(tmp_path / "tuned.gguf", progress=False).config.num_layers == tiny_chat.config.num_layers
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    failed = run_cli("--data", str(empty), "--model", str(model_dir), str(tmp_path / "never"))
+    assert failed.returncode != 0 and f"linnet-jax finetune: {empty}: the file is empty" in failed.stderr

@@ -42,13 +42,13 @@ def read_metrics(path: Path, through: int) -> list[dict]:
     return [line for line in lines if line["step"] <= through]
 
 
-def finetune(data, out_dir, *, model=None, lora_rank: int = 8, lora_alpha: float = 16.0,
+def finetune(data, out_dir, *, model=None, dtype=None, lora_rank: int = 8, lora_alpha: float = 16.0,
              lora_targets: tuple[str, ...] | None = None, steps: int = 100, batch_size: int = 4, seq_len: int = 512,
              lr: float = 1e-4, warmup: int = 0, accum_steps: int = 1, save_every: int = 100, keep: int = 3,
              resume: bool = False, seed: int = 0, packing: bool = True, truncate: bool = False, remat: bool = False,
              compute_dtype=None, progress: bool = True, export: bool = True) -> Result:
-    """Fine-tune `model` (a Model, or a source for `linnet_jax.load`; None: the default model) on the JSON Lines
-    file `data`, writing out_dir as the module docstring lays out.
+    """Fine-tune `model` (a Model, or a source for `linnet_jax.load`, loaded with `dtype`; None: the default model)
+    on the JSON Lines file `data`, writing out_dir as the module docstring lays out.
 
     lora_rank 0 trains every weight; otherwise LoRA adapters of that rank and alpha on lora_targets (HF names;
     default all seven projections). batch_size rows of seq_len tokens per step (packed unless packing=False),
@@ -64,7 +64,7 @@ def finetune(data, out_dir, *, model=None, lora_rank: int = 8, lora_alpha: float
     base = None
     if model is None or isinstance(model, (str, Path)):
         base = str(model or DEFAULT_MODEL)
-        model = load(model, progress=progress)
+        model = load(model, dtype=dtype, progress=progress)
     if model.tokenizer is None:
         raise ValueError("finetune needs a model with a tokenizer to encode the data")
     lora = None
