@@ -203,7 +203,7 @@ def flatten_params(tree: Params | LayerParams, prefix: str = "") -> dict[str, ja
     flat = {}
     for field in dataclasses.fields(tree):
         value = getattr(tree, field.name)
-        if isinstance(value, tuple):
+        if isinstance(value, tuple) and field.name == "layers":  # unstacked layers (a shape tree's leaves are tuples)
             for i, layer in enumerate(value):
                 flat |= flatten_params(layer, f"{prefix}{field.name}.{i}.")
         elif dataclasses.is_dataclass(value):

@@ -124,13 +124,20 @@ def init_state(model, optimizer: optax.GradientTransformation, *, lora: LoraConf
     params, adapters = model.params, None
     if lora is not None:
         adapters = init_lora(model.config, lora, jax.random.key(seed))
-        if model.layout is not None:
-            adapters = jax.device_put(adapters, model.layout.replicated())
     else:
         params = jax.tree.map(jnp.copy, params)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, lora=adapters, opt_state=None,
                        config=model.config, layout=model.layout)
-    return state.replace(opt_state=optimizer.init(state.trained))
+    state = state.replace(opt_state=optimizer.init(state.trained))
+    return state if model.layout is None else on_mesh(state, model.layout)
+
+
+def on_mesh(tree, layout: Layout):
+    """Every array of `tree` that is not already spread over the layout's mesh (the adapters, the step and the
+    optimizer's counters), replicated over it."""
+    devices = set(layout.mesh.devices.flat)
+    return jax.tree.map(lambda x: x if x.sharding.device_set == devices else jax.device_put(x, layout.replicated()),
+                        tree)
 
 
 def shard_batch(batch: dict, layout: Layout | None) -> dict:
