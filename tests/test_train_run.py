@@ -96,13 +96,14 @@ def test_lora_teaches_smollm2_facts(smollm2, tmp_path):
     """LoRA r=8 on four made-up facts, a few steps: the loss falls and greedy generate answers with them, from the
     model directory the run ends in."""
     data = write_jsonl(tmp_path / "facts.jsonl", fact_records())
-    before = [linnet_jax.generate(smollm2, q, max_new_tokens=16) for q, _ in FACTS]
+    questions = [q for q, _ in FACTS]
+    before = linnet_jax.generate(smollm2, questions, max_new_tokens=16)
     result = train.finetune(data, tmp_path / "run", model=smollm2, lora_rank=8, lora_alpha=16, steps=10,
                             batch_size=4, seq_len=64, lr=3e-3, packing=False, progress=False)
     first, last = result.metrics[0]["loss"], result.metrics[-1]["loss"]
     assert last < first / 10, (first, last)
     tuned = linnet_jax.load(result.model_dir, progress=False)
-    after = [linnet_jax.generate(tuned, q, max_new_tokens=16) for q, _ in FACTS]
+    after = linnet_jax.generate(tuned, questions, max_new_tokens=16)
     taught = [answer in reply for (_, answer), reply in zip(FACTS, after)]
     print(f"SmolLM2 LoRA: loss {first:.4f} -> {last:.4f}; before {before}; after {after}")
     assert sum(taught) >= 3, after
