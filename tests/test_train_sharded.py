@@ -46,3 +46,20 @@ def test_checkpoint_restores_onto_another_mesh(results):
     assert restored["step"] == 2 and restored["position"] == {"epoch": 0, "row": 16}
     assert restored["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1} and restored["opt_state_placed_like_params"]
     assert relative(restored["loss_step_3"], results["cases"]["one device"]["full"][2]) <= BOUND
+
+
+def test_two_processes_train_the_steps_of_one(shardable_dir, tmp_path):
+    """Two processes under jax.distributed on 127.0.0.1 (4 fake devices each) train the same steps, on meshes over
+    all 8 devices, with the losses of one process on one device."""
+    import linnet_jax
+    from batches import train_losses
+    from test_distributed import CASES, TIMEOUT_S, run_workers
+
+    expected = train_losses(linnet_jax.load(shardable_dir, progress=False), 3)
+    lines = run_workers(shardable_dir, {"prompts": [[1]], "max_new_tokens": 1, "cases": CASES, "train_steps": 3},
+                        tmp_path, TIMEOUT_S)
+    assert {(line["case"], line["process"]) for line in lines} == {(c["name"], p) for c in CASES for p in (0, 1)}
+    for line in lines:
+        diff = relative(line["losses"], expected)
+        record_parity(f"train two processes {line['case']}: losses vs one device, relative (not transformers)", diff)
+        assert diff <= BOUND, (line, expected)
