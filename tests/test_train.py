@@ -101,17 +101,10 @@ LORA_CASES = {"llama_linear_untied": ("q_proj", "k_proj", "v_proj", "o_proj", "g
               "mistral_sliding": ("k_proj", "gate_proj", "up_proj")}
 
 
-@pytest.mark.parametrize("name", sorted(LORA_CASES))
-def test_lora_gradients_match_peft(name, tiny_dir, tmp_path):
+def check_lora_gradients(case: str, model, reference: torch.nn.Module, lora, batch: dict, adapter_dir) -> None:
     """Our adapters, exported with export.peft and loaded by PEFT: same loss and adapter gradients."""
-    reference, directory = tiny_dir(name)
-    model = linnet_jax.load(directory, progress=False)
-    lora = random_adapters(model.config, 4, LORA_CASES[name])
-    batch = masked_batch(model.config.vocab_size, [40, 26], 40, seed=2)
     value, grads = train.gradients(model.params, model.config, jax.tree.map(jnp.asarray, batch), lora=lora)
-    with pytest.warns(UserWarning, match="rank 4 is not one vLLM serves"):
-        linnet_jax.export.peft(model, lora, tmp_path / "adapter")
-    adapted = peft_model(reference, tmp_path / "adapter", trainable=True)
+    adapted = peft_model(reference, adapter_dir, trainable=True)
     expected = torch_loss(adapted, batch)
     expected.backward()
     expected_grads = {n.replace(".default", ""): p.grad.numpy() for n, p in adapted.named_parameters() if p.requires_grad}
@@ -120,9 +113,28 @@ def test_lora_gradients_match_peft(name, tiny_dir, tmp_path):
     errors = relative_errors(peft_state(grads), expected_grads)
     worst = max(errors, key=errors.get)
     loss_diff = abs(float(value) - expected.item())
-    GRADIENT_TABLE[f"tiny {name} LoRA r=4 vs PEFT"] = (loss_diff, errors[worst], worst)
-    record_parity(f"train tiny {name} LoRA: worst adapter gradient vs PEFT", errors[worst])
+    GRADIENT_TABLE[case] = (loss_diff, errors[worst], worst)
+    record_parity(f"train {case}: |loss - PEFT|", loss_diff)
+    record_parity(f"train {case}: worst adapter gradient vs PEFT", errors[worst])
     assert loss_diff < LOSS_BOUND and errors[worst] < GRAD_BOUND, (loss_diff, worst, errors[worst])
+
+
+@pytest.mark.parametrize("name", sorted(LORA_CASES))
+def test_lora_gradients_match_peft(name, tiny_dir, tmp_path):
+    reference, directory = tiny_dir(name)
+    model = linnet_jax.load(directory, progress=False)
+    lora = random_adapters(model.config, 4, LORA_CASES[name])
+    with pytest.warns(UserWarning, match="rank 4 is not one vLLM serves"):
+        linnet_jax.export.peft(model, lora, tmp_path / "adapter")
+    batch = masked_batch(model.config.vocab_size, [40, 26], 40, seed=2)
+    check_lora_gradients(f"tiny {name} LoRA r=4 vs PEFT", model, reference, lora, batch, tmp_path / "adapter")
+
+
+def test_lora_gradients_match_peft_smollm2(smollm2, smollm2_reference, tmp_path):
+    lora = random_adapters(smollm2.config, 8, tuple(train.TARGETS))
+    linnet_jax.export.peft(smollm2, lora, tmp_path / "adapter")
+    batch = masked_batch(smollm2.config.vocab_size, [48, 37], 48, seed=3)
+    check_lora_gradients("SmolLM2 LoRA r=8 vs PEFT", smollm2, smollm2_reference, lora, batch, tmp_path / "adapter")
 
 
 def test_lora_identities_and_peft_export(tiny_dir, tmp_path):
@@ -200,3 +212,12 @@ def test_accumulation_equals_a_larger_batch(tiny_dir, lora):
     assert m4["loss"] == pytest.approx(m1["loss"], rel=1e-6) and m4["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(four)):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def print_gradient_table():
+    yield
+    if GRADIENT_TABLE:
+        print("\ncase | |loss - reference| | worst ‖g - g_ref‖/‖g_ref‖ | tensor")
+        for case, (loss_diff, error, name) in GRADIENT_TABLE.items():
+            print(f"{case} | {loss_diff:.1e} | {error:.1e} | {name}")

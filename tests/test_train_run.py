@@ -16,6 +16,7 @@ from conftest import TINY, randomize
 
 import linnet_jax
 from linnet_jax import train
+from linnet_jax.models.params import unstack_layers
 
 FACTS = [("What is the capital of Zorblat?", "The capital of Zorblat is Quenmoor."),
          ("Who invented the glimmerphone?", "The glimmerphone was invented by Ada Pellwick."),
@@ -84,6 +85,11 @@ def test_remat_and_compute_dtype(tiny_chat):
     assert abs(float(remat_value) - float(value)) < 1e-6
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(remat_grads)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-7)
+    lora = train.init_lora(tiny_chat.config, train.LoraConfig(rank=4, alpha=8), jax.random.key(0))
+    lora = lora.replace(b=jax.tree.map(lambda b: b + 0.01, lora.b))
+    stacked = train.loss(tiny_chat.params, tiny_chat.config, batch, lora=lora)
+    unrolled = train.loss(unstack_layers(tiny_chat.params), tiny_chat.config, batch, lora=lora, remat=True)
+    assert abs(float(unrolled) - float(stacked)) < 1e-5  # the unrolled path takes adapters and remat too
     low_value, low_grads = train.gradients(tiny_chat.params, tiny_chat.config, batch, compute_dtype=jnp.bfloat16)
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(low_grads))  # back in the params' dtype
     assert abs(float(low_value) - float(value)) < 0.05 * float(value)
