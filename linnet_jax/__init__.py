@@ -13,7 +13,7 @@ from linnet_jax.load import DEFAULT_MODEL, load
 from linnet_jax.model import Model, logits
 from linnet_jax.sharding import shard
 
-LAZY_SUBMODULES = ("export", "decode", "gguf", "tokenizer", "cli")
+LAZY_SUBMODULES = ("export", "decode", "gguf", "tokenizer", "cli", "serve", "train")
 
 __all__ = [
     "DEFAULT_MODEL", "Generation", "Model", "__version__", "enable_compilation_cache", "export", "generate", "load",

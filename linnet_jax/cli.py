@@ -1,5 +1,5 @@
-"""The command line: `linnet-jax generate "PROMPT"`, `linnet-jax chat` and `linnet-jax export` (also
-`python -m linnet_jax`).
+"""The command line: `linnet-jax generate "PROMPT"`, `linnet-jax chat`, `linnet-jax export` and
+`linnet-jax finetune` (also `python -m linnet_jax`).
 
 A bad flag is refused before the model loads (exit status 2); any other failure the user can fix (a
 missing model, a file in the way, a prompt that does not fit) prints one line naming it and exits 1.
@@ -53,6 +53,7 @@ def parser() -> argparse.ArgumentParser:
                         f"type, {', '.join(EXPORT_DTYPES['gguf'])} (default {GGUF_DEFAULT})")
     export.add_argument("--overwrite", action="store_true", help="write over an existing OUT")
     export.add_argument("out", metavar="OUT", help="a directory (a .gguf file for --format gguf)")
+    add_finetune(commands.add_parser("finetune", parents=[source], help="fine-tune on a JSON Lines file (full or LoRA)"))
     return main
 
 
@@ -71,6 +72,8 @@ def check_flags(arguments: argparse.ArgumentParser, args) -> None:
             arguments.error(f"--dtype {args.dtype} is not one of {EXPORT_DTYPES[args.format]} "
                             f"(for --format {args.format})")
         return
+    if args.command == "finetune":
+        return
     from linnet_jax.generate import make_sampling
 
     if args.raw and args.system:
@@ -79,6 +82,48 @@ def check_flags(arguments: argparse.ArgumentParser, args) -> None:
         make_sampling(1, args.temperature, args.top_k, args.top_p, args.min_p, 1.0, args.seed)
     except (ValueError, TypeError, OverflowError) as error:
         arguments.error(str(error))
+
+
+def add_finetune(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--data", required=True, metavar="FILE.jsonl",
+                         help='records {"messages": [...]}, {"prompt": ..., "completion": ...} or {"text": ...}')
+    command.add_argument("--dtype", default=None, choices=DTYPES, help="the params' dtype (default: as stored)")
+    command.add_argument("--lora-rank", type=int, default=8, help="0 = full fine-tuning")
+    command.add_argument("--lora-alpha", type=float, default=16.0)
+    command.add_argument("--lora-targets", default=None,
+                         help="comma-separated HF module names (default: q_proj,...,down_proj, all seven)")
+    command.add_argument("--steps", type=int, default=100)
+    command.add_argument("--batch-size", type=int, default=4, help="rows per step")
+    command.add_argument("--seq-len", type=int, default=512)
+    command.add_argument("--lr", type=float, default=1e-4)
+    command.add_argument("--warmup", type=int, default=0, help="steps of linear warmup")
+    command.add_argument("--accum-steps", type=int, default=1, help="micro-batches per step")
+    command.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
+    command.add_argument("--keep", type=int, default=3, help="checkpoints kept")
+    command.add_argument("--resume", action="store_true", help="continue from OUT_DIR's latest checkpoint")
+    command.add_argument("--seed", type=int, default=0)
+    command.add_argument("--no-packing", action="store_true", help="one record per row, padded")
+    command.add_argument("--truncate", action="store_true", help="cut records longer than --seq-len (counted)")
+    command.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
+    command.add_argument("--compute-dtype", default=None, choices=DTYPES, help="the forward's dtype (default: params')")
+    command.add_argument("out", metavar="OUT_DIR")
+
+
+def run_finetune(args) -> None:
+    """Load the model, run linnet_jax.train.finetune and print what it wrote."""
+    from linnet_jax import train
+
+    targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
+    result = train.finetune(
+        args.data, args.out, model=args.model, dtype=args.dtype, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=targets,
+        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, warmup=args.warmup,
+        accum_steps=args.accum_steps, save_every=args.save_every, keep=args.keep, resume=args.resume, seed=args.seed,
+        packing=not args.no_packing, truncate=args.truncate, remat=args.remat, compute_dtype=args.compute_dtype)
+    first, last = result.metrics[0], result.metrics[-1]
+    print(f"loss {first['loss']:.4f} at step {first['step']} -> {last['loss']:.4f} at step {last['step']}")
+    print(f"model: {result.model_dir}")
+    if result.adapter_dir:
+        print(f"PEFT adapter: {result.adapter_dir}")
 
 
 def export_model(args) -> Path:
@@ -127,6 +172,9 @@ def run(args) -> int:
     """Run the parsed command; returns the exit status."""
     if not args.no_compilation_cache:
         enable_compilation_cache()
+    if args.command == "finetune":
+        run_finetune(args)
+        return 0
     if args.command == "export":
         print(export_model(args))
         return 0

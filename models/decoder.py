@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from linnet_jax.models.config import Config
+from linnet_jax.models.lora import Lora
 from linnet_jax.models.params import LayerParams, Params
 from linnet_jax.ops import apply_rope, attention, inverse_frequencies, rms_norm, swiglu
 
@@ -61,8 +62,10 @@ def init_cache(config: Config, batch: int, max_len: int, dtype=None) -> KVCache:
     )
 
 
-def project_qkv(h: jax.Array, lp: LayerParams, config: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Query, key and value heads of one layer: h [B, T, D] → q [B, T, H, K], k and v [B, T, G, K]."""
+def project_qkv(h: jax.Array, lp: LayerParams, config: Config, lora: Lora | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Query, key and value heads of one layer: h [B, T, D] → q [B, T, H, K], k and v [B, T, G, K].
+    lora: one layer's adapters, added to the biased projections."""
     q = jnp.einsum("btd,dhk->bthk", h, lp.wq)
     k = jnp.einsum("btd,dgk->btgk", h, lp.wk)
     v = jnp.einsum("btd,dgk->btgk", h, lp.wv)
@@ -119,27 +122,32 @@ def decoder_layer(
     window: jax.Array,
     layer: int,
     cache: KVCache | None,
+    segment_ids: jax.Array | None = None,
+    lora: Lora | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
-    """One pre-norm block: x + attention(norm(x)), then + swiglu(norm(x)). x: [B, T, D]."""
+    """One pre-norm block: x + attention(norm(x)), then + swiglu(norm(x)). x: [B, T, D].
+    segment_ids, lora: see `forward` (lora: this layer's slices)."""
     rope_positions = jnp.maximum(positions, 0)
     inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
     with jax.named_scope("attention"):
-        q, k, v = project_qkv(rms_norm(x, lp.attn_norm, config.rms_norm_eps), lp, config)
+        q, k, v = project_qkv(rms_norm(x, lp.attn_norm, config.rms_norm_eps), lp, config, lora)
         q = apply_rope(q, rope_positions, inv_freq)
         k = apply_rope(k, rope_positions, inv_freq)
         b, t, g, head_dim = k.shape
         keys = jnp.swapaxes(k, 1, 2).reshape(b * g, t, head_dim)  # [N, T, K]
         values = jnp.transpose(v, (0, 2, 3, 1)).reshape(b * g, head_dim, t)  # [N, K, T]
         if cache is None:
-            mixed = attention(q, keys, values, rope_positions, positions, window)
+            mixed = attention(q, keys, values, rope_positions, positions, window, segment_ids)
         else:
             written = jnp.repeat(positions >= 0, g, axis=0)  # [N, T]
             cache, keys, values = update_cache(cache, layer, keys, values, written)
             mixed = attention(q, keys, values, rope_positions, cache.positions, window)
         out = jnp.einsum("bthk,hkd->btd", mixed, lp.wo)
-        x = x + (out + lp.bo if config.o_bias else out)
+        out = out + lp.bo if config.o_bias else out
+        x = x + (out if lora is None else lora.add(out, "wo", mixed))
     with jax.named_scope("mlp"):
-        x = x + swiglu(rms_norm(x, lp.mlp_norm, config.rms_norm_eps), lp.w_gate, lp.w_up, lp.w_down)
+        x = x + swiglu(rms_norm(x, lp.mlp_norm, config.rms_norm_eps), lp.w_gate, lp.w_up, lp.w_down,
+                       None if lora is None else lora.add)
     return x, cache
 
 
@@ -151,6 +159,10 @@ def forward(
     cache: KVCache | None = None,
     logits_at: jax.Array | None = None,
     constrain: Callable[[jax.Array, tuple[str, ...]], jax.Array] | None = None,
+    *,
+    segment_ids: jax.Array | None = None,
+    lora: Lora | None = None,
+    remat: bool = False,
 ) -> tuple[jax.Array, KVCache | None]:
     """Logits of the next token at each new position, and the updated cache.
 
@@ -160,25 +172,34 @@ def forward(
     then only those positions' logits are computed ([B, 1, V]). constrain(array, logical axes):
     applied to the activations at every block boundary and to the logits (sharding constraints,
     `linnet_jax.sharding.Layout.constrain`); None for none.
+    For training (no cache only): segment_ids [B, T] int, the document of each token in packed
+    rows, so attention never crosses documents; lora, adapters on the projections (stacked on [L]);
+    remat, recompute each layer's activations in the backward pass (`jax.checkpoint`).
     Returns (float32 logits [B, T, V] or [B, 1, V], cache).
     """
+    if cache is not None and (segment_ids is not None or remat):
+        raise ValueError("segment_ids and remat are for the full forward: pass cache=None")
     constrain = constrain or (lambda array, axes: array)
     activation = ("batch", "seq", "embed")  # the logical axes of x
     x = constrain(jnp.take(params.embed, tokens, axis=0), activation)
     if cache is not None:
         cache = record_positions(cache, positions)
-    if cache is not None or isinstance(params.layers, tuple):
+    if cache is not None or isinstance(params.layers, tuple):  # unrolled: window and layer are static ints
+        layer_fn = jax.checkpoint(decoder_layer, static_argnums=(2, 4, 5)) if remat else decoder_layer
         for layer in range(config.num_layers):
-            x, cache = decoder_layer(x, layer_params(params, layer), config, positions, config.layer_windows[layer],
-                                     layer, cache)
+            adapters = None if lora is None else jax.tree.map(lambda w: w[layer], lora)  # noqa: B023
+            x, cache = layer_fn(x, layer_params(params, layer), config, positions, config.layer_windows[layer],
+                                layer, cache, segment_ids, adapters)
             x = constrain(x, activation)
     else:
+        layer_fn = jax.checkpoint(decoder_layer, static_argnums=(2, 5)) if remat else decoder_layer
+
         def body(x, layer_inputs):
-            lp, window = layer_inputs
-            x, _ = decoder_layer(x, lp, config, positions, window, 0, None)
+            lp, window, adapters = layer_inputs
+            x, _ = layer_fn(x, lp, config, positions, window, 0, None, segment_ids, adapters)
             return constrain(x, activation), None
 
-        x, _ = jax.lax.scan(body, x, (params.layers, jnp.asarray(config.layer_windows, jnp.int32)))
+        x, _ = jax.lax.scan(body, x, (params.layers, jnp.asarray(config.layer_windows, jnp.int32), lora))
     if cache is not None:
         cache = advance(cache, tokens.shape[1])
     x = rms_norm(x, params.final_norm, config.rms_norm_eps)

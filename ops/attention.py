@@ -20,15 +20,21 @@ import jax
 import jax.numpy as jnp
 
 
-def attention_mask(q_positions: jax.Array, k_positions: jax.Array, window: jax.Array | int) -> jax.Array:
+def attention_mask(q_positions: jax.Array, k_positions: jax.Array, window: jax.Array | int,
+                   segment_ids: jax.Array | None = None) -> jax.Array:
     """Which keys each query may see: bool [B, T, S].
 
     q_positions: [B, T]; k_positions: [B, S] (negative = empty); window: int scalar, 0 for none.
+    segment_ids: optional [B, T] document ids of the tokens when queries and keys are the same
+    tokens (no cache, T == S): a query then sees only keys of its own document (packed rows).
     """
     q = q_positions[:, :, None]
     k = k_positions[:, None, :]
     in_window = (window == 0) | (q - k < window)
-    return (k >= 0) & (k <= q) & in_window
+    mask = (k >= 0) & (k <= q) & in_window
+    if segment_ids is not None:
+        mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
+    return mask
 
 
 def attention(
@@ -38,18 +44,20 @@ def attention(
     q_positions: jax.Array,
     k_positions: jax.Array,
     window: jax.Array | int = 0,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Softmax attention of H query heads over G key/value heads, softmax in float32.
 
     q: [B, T, H, K]; k: [N, S, K] and v: [N, K, S] with N = B * G (row b * G + g);
-    q_positions: [B, T]; k_positions: [B, S]. Returns [B, T, H, K] in q's dtype.
+    q_positions: [B, T]; k_positions: [B, S]; segment_ids: optional [B, T] (see attention_mask).
+    Returns [B, T, H, K] in q's dtype.
     """
     b, t, h, d = q.shape
     n, s, _ = k.shape
     g = n // b
     heads = q.reshape(b, t, g, h // g, d).transpose(3, 0, 2, 1, 4).reshape(h // g, n, t, d)  # [R, N, T, K]
     scores = jnp.stack([jnp.einsum("ntk,nsk->nts", head, k, preferred_element_type=jnp.float32) for head in heads])
-    mask = attention_mask(q_positions, k_positions, window)[:, None]  # [B, 1, T, S]
+    mask = attention_mask(q_positions, k_positions, window, segment_ids)[:, None]  # [B, 1, T, S]
     scores = jnp.where(mask, scores.reshape(-1, b, g, t, s) * d**-0.5, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(-1, n, t, s)  # [R, N, T, S]
     out = jnp.stack([jnp.einsum("nts,nks->ntk", p, v) for p in probs])  # [R, N, T, K]

@@ -3,15 +3,22 @@
 Einsum legend: b batch, t sequence, d model width, f MLP width.
 """
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+           adapt: Callable[[jax.Array, str, jax.Array], jax.Array] | None = None) -> jax.Array:
     """down(silu(x @ gate) * (x @ up)).
 
     x: [B, T, D]; w_gate, w_up: [D, F]; w_down: [F, D]. Returns [B, T, D].
+    adapt(output, name, input): optional, each projection's output changed given its input, by name
+    ("w_gate", "w_up", "w_down"); LoRA adds its low-rank term this way.
     """
-    gate = jnp.einsum("btd,df->btf", x, w_gate)
-    up = jnp.einsum("btd,df->btf", x, w_up)
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)
+    adapt = adapt or (lambda out, name, inputs: out)
+    gate = adapt(jnp.einsum("btd,df->btf", x, w_gate), "w_gate", x)
+    up = adapt(jnp.einsum("btd,df->btf", x, w_up), "w_up", x)
+    hidden = jax.nn.silu(gate) * up
+    return adapt(jnp.einsum("btf,fd->btd", hidden, w_down), "w_down", hidden)

@@ -7,7 +7,8 @@ devices, generates, and prints one JSON line per case on stdout.
 REQUEST_JSON: {"prompts": [[ids], ...], "max_new_tokens": n,
                "cases": [{"name", "mesh": {"data", "fsdp", "tensor"}, "rules"}, ...]}
 Each output line: {"case", "process", "ids", "logits_last"} (logits_last: the last position's
-logits of every prompt row, [B, V], gathered from every process).
+logits of every prompt row, [B, V], gathered from every process). A request with "train_steps": n
+trains instead (tests/test_train_sharded.py): each line is {"case", "process", "losses"}.
 """
 
 import json
@@ -33,7 +34,7 @@ def main() -> None:
     assert jax.device_count() == LOCAL_DEVICES * num_processes, jax.devices()
 
     import linnet_jax
-    from batches import right_padded
+    from batches import right_padded, train_losses
     from linnet_jax.sharding import host, mesh
 
     prompts = request["prompts"]
@@ -43,6 +44,10 @@ def main() -> None:
     for case in request["cases"]:
         devices = mesh(**case["mesh"])
         model = linnet_jax.load(model_dir, mesh=devices, rules=case.get("rules"), progress=False)
+        if "train_steps" in request:
+            losses = train_losses(model, request["train_steps"])
+            print(json.dumps({"case": case["name"], "process": process_id, "losses": losses}), flush=True)
+            continue
         ids = linnet_jax.generate(model, tokens=prompts, max_new_tokens=request["max_new_tokens"], ignore_eos=True)
         logits = host(linnet_jax.logits(model, padded, attention_mask=mask))
         print(json.dumps({"case": case["name"], "process": process_id, "ids": ids,

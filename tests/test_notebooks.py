@@ -18,4 +18,4 @@ def test_notebook_runs(path):
 
 
 def test_there_are_notebooks():
-    assert {"quickstart.ipynb", "sharding.ipynb"} <= {p.name for p in NOTEBOOKS}
+    assert {"quickstart.ipynb", "sharding.ipynb", "finetune.ipynb"} <= {p.name for p in NOTEBOOKS}

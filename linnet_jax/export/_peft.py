@@ -1,0 +1,74 @@
+"""`export.peft`: LoRA adapters in PEFT's layout (adapter_config.json, adapter_model.safetensors), which
+`peft.PeftModel.from_pretrained` loads on the base model's Hugging Face export and vLLM serves as a LoRA.
+
+Tensor names: base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight [R, in] and
+...lora_B.weight [out, R], transformers' [out, in] convention (ours are input-first)."""
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from linnet_jax.export._common import prepare_target, write_json
+from linnet_jax.models.lora import Lora
+from linnet_jax.models.params import LAYER_TENSORS, to_hf_layer_tensor
+from linnet_jax.train.lora import lora_config_of, split_shape
+
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
+PREFIX = "base_model.model."
+
+
+def peft_state(lora: Lora) -> dict[str, np.ndarray]:
+    """The adapters as PEFT's state dict: lora_A [R, in] and lora_B [out, R] per layer and target."""
+    state = {}
+    for field in lora.a:
+        suffix = LAYER_TENSORS[field][0].removesuffix(".weight")
+        a, b = np.asarray(lora.a[field]), np.asarray(lora.b[field])  # [L, *I, R], [L, R, *O]
+        for i in range(a.shape[0]):
+            name = f"{PREFIX}model.layers.{i}.{suffix}"
+            state[f"{name}.lora_A.weight"] = to_hf_layer_tensor(a[i], a.ndim - 2)
+            state[f"{name}.lora_B.weight"] = to_hf_layer_tensor(b[i], 1)
+    return state
+
+
+def adapter_config(lora: Lora, base: str | None) -> dict:
+    """adapter_config.json: a plain LoRA on the named modules, no dropout, bias or modules_to_save."""
+    config = lora_config_of(lora)
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "inference_mode": True,
+        "r": config.rank, "lora_alpha": config.alpha, "target_modules": list(config.targets), "lora_dropout": 0.0,
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+        "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+        "alpha_pattern": {}, "revision": None,
+    }
+
+
+def peft(model, lora: Lora, out_dir, *, base: str | None = None, dtype=None, overwrite: bool = False) -> Path:
+    """Write `lora` (adapters of `model`) as a PEFT adapter directory; returns its path.
+
+    base: the base model's name or path recorded in adapter_config.json (PEFT and vLLM take the base model
+    separately, so it is informational). dtype: None keeps the adapters' dtype; a numpy dtype name casts.
+    A rank outside vLLM's choices (1, 8, 16, 32, ...) warns: PEFT loads it, vLLM does not.
+    """
+    rank = lora_config_of(lora).rank
+    check_shapes(model.config, lora, rank)
+    target = prepare_target(out_dir, overwrite)
+    target.mkdir(exist_ok=True)
+    if rank not in VLLM_RANKS:
+        warnings.warn(f"LoRA rank {rank} is not one vLLM serves (max_lora_rank choices {VLLM_RANKS})", stacklevel=2)
+    state = {name: tensor.astype(dtype or tensor.dtype) for name, tensor in peft_state(lora).items()}
+    save_file(state, target / "adapter_model.safetensors", metadata={"format": "pt"})
+    write_json(target / "adapter_config.json", adapter_config(lora, base))
+    return target
+
+
+def check_shapes(config, lora: Lora, rank: int) -> None:
+    """A ValueError naming the first adapter whose shape does not fit the model's config."""
+    for field in lora.a:
+        inputs, outputs = split_shape(config, field)
+        expected = {"a": (config.num_layers, *inputs, rank), "b": (config.num_layers, rank, *outputs)}
+        for part, shape in expected.items():
+            got = tuple(getattr(lora, part)[field].shape)
+            if got != shape:
+                raise ValueError(f"LoRA {part}[{field!r}] has shape {got}, expected {shape} for this model")

@@ -1,0 +1,216 @@
+"""Training data: JSON Lines → token documents with loss masks → rows of a fixed length → batches.
+
+Each line of the file is one record, in one of three forms:
+  {"messages": [{"role": ..., "content": ...}, ...]}  chat, rendered with the model's chat template;
+                                                       only the assistant turns count in the loss
+  {"prompt": "...", "completion": "..."}              only the completion (and an EOS) counts
+  {"text": "..."}                                     every token (and an EOS) counts
+
+Assistant spans are found by rendering prefixes of the conversation (most chat templates have no
+`{% generation %}` markers): the text a turn adds after the generation prompt of the turns before it.
+Each piece is tokenized on its own, as a prompt and its generated reply are at inference.
+
+Rows are packed (documents share a row, each with its own segment id; positions restart in each
+document and attention never crosses one) or padded (a document per row), both to seq_len with
+segment id 0 as padding. `Batches` is an endless iterator over epochs, each a deterministic shuffle of
+the documents (seed, epoch); its position, `get_state()`, is two ints that `set_state` restores, as
+grain's checkpointable iterators do.
+"""
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    """One record's tokens int32 [N] and loss_mask int32 [N] (1 where the token is a target), and where it came
+    from ("file:line")."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    source: str
+
+
+class DataError(ValueError):
+    """Bad training data; the message names the file, the line and what was expected."""
+
+
+def read_jsonl(path) -> list[tuple[str, dict]]:
+    """The records of a JSON Lines file with where each came from ("file:line"); blank lines are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such data file")
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{where}: not JSON ({error.msg} at column {error.colno}); expected one JSON object "
+                            "per line") from None
+        records.append((where, record))
+    if not records:
+        raise DataError(f"{path}: the file is empty; expected JSON Lines, one record per line: "
+                        '{"messages": [...]}, {"prompt": ..., "completion": ...} or {"text": ...}')
+    return records
+
+
+def encode_record(record, tokenizer, where: str) -> Document:
+    """One record as a Document (see the module docstring for the three forms)."""
+    if isinstance(record, dict) and isinstance(record.get("messages"), list):
+        return chat_document(record["messages"], tokenizer, where)
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
+        prompt = tokenizer.encode(record["prompt"], add_special_tokens=True)
+        return document([(prompt, 0), (tokenizer.encode(record["completion"]) + eos(tokenizer), 1)], where)
+    if isinstance(record, dict) and isinstance(record.get("text"), str):
+        return document([(tokenizer.encode(record["text"], add_special_tokens=True) + eos(tokenizer), 1)], where)
+    got = f"keys {sorted(record)}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+    raise DataError(f'{where}: expected an object with "messages" (a list), "prompt" and "completion" (strings), '
+                    f'or "text" (a string); got {got}')
+
+
+def eos(tokenizer) -> list[int]:
+    """The end-of-sequence id that ends a text or completion (none when the tokenizer has none)."""
+    return list(tokenizer.eos_token_ids[:1])
+
+
+def document(pieces: list[tuple[list[int], int]], where: str) -> Document:
+    """Token pieces, each counting in the loss (1) or not (0), as one Document. The first token never counts:
+    nothing before it predicts it."""
+    tokens = np.array([t for ids, _ in pieces for t in ids], np.int32)
+    mask = np.array([counts for ids, counts in pieces for _ in ids], np.int32)
+    if len(tokens):
+        mask[0] = 0
+    return Document(tokens, mask, where)
+
+
+def chat_document(messages: list, tokenizer, where: str) -> Document:
+    """A conversation rendered with the chat template; the assistant turns count in the loss."""
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise DataError(f'{where}: messages[{i}] must be an object with a "role" and a string "content", '
+                            f"got {message!r}")
+        if message.get("role") not in ROLES:
+            raise DataError(f"{where}: messages[{i}] has role {message.get('role')!r}; expected one of {ROLES}")
+    turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+    if not turns:
+        raise DataError(f"{where}: the conversation has no assistant turn, so nothing would be learned from it")
+    if turns[0] == 0:
+        raise DataError(f"{where}: the conversation starts with an assistant turn; expected a system or user turn "
+                        "before it")
+    if tokenizer.chat_template is None:
+        raise DataError(f"{where}: a conversation needs the model's chat template, and this tokenizer has none")
+    render = tokenizer.apply_chat_template
+    full = render(messages, add_generation_prompt=False)
+    pieces, done = [], 0
+    for i in turns:
+        before = render(messages[:i], add_generation_prompt=True)
+        through = render(messages[: i + 1], add_generation_prompt=False)
+        if not (len(before) >= done and through.startswith(before) and full.startswith(through)):
+            raise DataError(f"{where}: the chat template does not render the conversation up to messages[{i}] as a "
+                            "prefix of the whole conversation, so its assistant span cannot be found")
+        pieces += [(full[done:len(before)], 0), (full[len(before):len(through)], 1)]
+        done = len(through)
+    pieces.append((full[done:], 0))
+    return document([(tokenizer.encode(text), counts) for text, counts in pieces if text], where)
+
+
+def load_documents(path, tokenizer, seq_len: int, *, truncate: bool = False) -> tuple[list[Document], int]:
+    """The file's records as Documents of at most seq_len tokens, and how many were truncated.
+
+    A longer document is a DataError naming its line unless truncate=True; then it is cut to seq_len and
+    counted (and a warning says how many were)."""
+    documents, truncated = [], 0
+    for where, record in read_jsonl(path):
+        doc = encode_record(record, tokenizer, where)
+        if len(doc.tokens) > seq_len:
+            if not truncate:
+                raise DataError(f"{where}: the record is {len(doc.tokens)} tokens long, longer than seq_len={seq_len}; "
+                                "raise seq_len (--seq-len), shorten it, or truncate (--truncate) and the cuts are counted")
+            doc = Document(doc.tokens[:seq_len], doc.loss_mask[:seq_len], doc.source)
+            truncated += 1
+        if not doc.loss_mask.any():
+            raise DataError(f"{where}: the record has no token that counts in the loss"
+                            + (" after truncation to seq_len" if len(doc.tokens) == seq_len else ""))
+        documents.append(doc)
+    if truncated:
+        warnings.warn(f"{path}: {truncated} of {len(documents)} records were truncated to seq_len={seq_len}",
+                      stacklevel=2)
+    return documents, truncated
+
+
+def pack(documents: list[Document], seq_len: int, *, packing: bool = True) -> dict[str, np.ndarray]:
+    """Documents (each at most seq_len tokens) as rows {tokens, loss_mask, segment_ids}: int32 [N, seq_len].
+
+    packing: fill each row in order with whole documents while they fit (segment ids 1, 2, ... in the row);
+    else one document per row. The rest of a row is padding: token 0, loss_mask 0, segment id 0.
+    """
+    rows: list[list[Document]] = []
+    used = seq_len
+    for doc in documents:
+        if not packing or used + len(doc.tokens) > seq_len:
+            rows.append([])
+            used = 0
+        rows[-1].append(doc)
+        used += len(doc.tokens)
+    out = {name: np.zeros((len(rows), seq_len), np.int32) for name in ("tokens", "loss_mask", "segment_ids")}
+    for r, row in enumerate(rows):
+        start = 0
+        for segment, doc in enumerate(row, 1):
+            end = start + len(doc.tokens)
+            out["tokens"][r, start:end], out["loss_mask"][r, start:end] = doc.tokens, doc.loss_mask
+            out["segment_ids"][r, start:end] = segment
+            start = end
+    return out
+
+
+class Batches:
+    """Endless batches of rows [batch_size, seq_len] over epochs. Epoch e packs the documents in the order of a
+    permutation drawn from (seed, e) (in file order with shuffle=False); the rows of consecutive epochs form one
+    stream. get_state() -> {"epoch", "row"}: the position of the next row; set_state(state) returns there, so a
+    resumed run sees the same batches."""
+
+    def __init__(self, documents: list[Document], batch_size: int, seq_len: int, *, seed: int = 0,
+                 packing: bool = True, shuffle: bool = True):
+        if not documents:
+            raise DataError("no documents to make batches of")
+        self.documents, self.batch_size, self.seq_len = documents, batch_size, seq_len
+        self.seed, self.packing, self.shuffle = seed, packing, shuffle
+        self.epoch, self.row = 0, 0
+        self._rows: tuple[int, dict[str, np.ndarray]] | None = None
+
+    def rows(self, epoch: int) -> dict[str, np.ndarray]:
+        """The packed rows of one epoch (the last epoch's are kept)."""
+        if self._rows is None or self._rows[0] != epoch:
+            order = (np.random.default_rng([self.seed, epoch]).permutation(len(self.documents)) if self.shuffle
+                     else np.arange(len(self.documents)))
+            self._rows = epoch, pack([self.documents[i] for i in order], self.seq_len, packing=self.packing)
+        return self._rows[1]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        parts = []
+        while sum(len(p["tokens"]) for p in parts) < self.batch_size:
+            rows = self.rows(self.epoch)
+            take = min(self.batch_size - sum(len(p["tokens"]) for p in parts), len(rows["tokens"]) - self.row)
+            parts.append({name: array[self.row:self.row + take] for name, array in rows.items()})
+            self.row += take
+            if self.row == len(rows["tokens"]):
+                self.epoch, self.row = self.epoch + 1, 0
+        return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+    def get_state(self) -> dict:
+        return {"epoch": self.epoch, "row": self.row}
+
+    def set_state(self, state: dict) -> None:
+        self.epoch, self.row = int(state["epoch"]), int(state["row"])

@@ -1,0 +1,146 @@
+"""Whole runs: checkpoints that resume bit for bit, remat and the compute dtype, training that drives the loss
+down and teaches SmolLM2 a fact, and the `linnet-jax finetune` command."""
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+from conftest import TINY, randomize
+
+import linnet_jax
+from linnet_jax import train
+from linnet_jax.models.params import unstack_layers
+
+FACTS = [("What is the capital of Zorblat?", "The capital of Zorblat is Quenmoor."),
+         ("Who invented the glimmerphone?", "The glimmerphone was invented by Ada Pellwick."),
+         ("What colour is a snorf?", "A snorf is bright orange."),
+         ("How many moons does Tavros have?", "Tavros has seven moons.")]
+
+
+def fact_records(repeat: int = 1) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            for q, a in FACTS] * repeat
+
+
+def write_jsonl(path, records: list[dict]):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory, smollm2):
+    """A random tiny llama over SmolLM2's vocabulary, with SmolLM2's tokenizer and chat template."""
+    config = transformers.LlamaConfig(**TINY | dict(vocab_size=smollm2.config.vocab_size, num_key_value_heads=2))
+    directory = tmp_path_factory.mktemp("tiny_chat")
+    randomize(transformers.AutoModelForCausalLM.from_config(config), seed=5).save_pretrained(directory)
+    return dataclasses.replace(linnet_jax.load(directory, progress=False), tokenizer=smollm2.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory):
+    records = fact_records() + [{"prompt": "Zorblat's capital:", "completion": " Quenmoor"},
+                                {"text": "Snorfs are orange and Tavros has seven moons."}]
+    return write_jsonl(tmp_path_factory.mktemp("data") / "facts.jsonl", records)
+
+
+RUN = dict(steps=6, batch_size=2, seq_len=64, lr=3e-3, save_every=2, keep=10, progress=False, export=False)
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+def test_resume_gives_bit_identical_losses(tiny_chat, chat_data, tmp_path, lora_rank):
+    """A run stopped after step 3 (its last checkpoint at 2) and resumed equals one that never stopped."""
+    straight = train.finetune(chat_data, tmp_path / "straight", model=tiny_chat, lora_rank=lora_rank, **RUN)
+    stopped = tmp_path / "stopped"
+    train.finetune(chat_data, stopped, model=tiny_chat, lora_rank=lora_rank, **RUN)
+    for step in (4, 6):  # what a run killed during step 4 leaves: checkpoints 2, metrics of steps 1..3
+        shutil.rmtree(stopped / "checkpoints" / str(step))
+    lines = (stopped / "metrics.jsonl").read_text().splitlines()
+    (stopped / "metrics.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    with pytest.raises(FileExistsError, match="holds checkpoints .last step 2.; pass resume=True"):
+        train.finetune(chat_data, stopped, model=tiny_chat, lora_rank=lora_rank, **RUN)
+    resumed = train.finetune(chat_data, stopped, model=tiny_chat, lora_rank=lora_rank, resume=True, **RUN)
+    assert [m["step"] for m in resumed.metrics] == [1, 2, 3, 4, 5, 6]
+    assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in straight.metrics]  # bit for bit
+    assert [m["lr"] for m in resumed.metrics] == [m["lr"] for m in straight.metrics]
+    assert straight.metrics[-1]["loss"] < straight.metrics[0]["loss"]
+    logged = [json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines()]
+    assert [m["loss"] for m in logged] == [m["loss"] for m in straight.metrics]
+    assert set(logged[0]) >= {"step", "loss", "grad_norm", "tokens", "lr"}
+    for a, b in zip(jax.tree.leaves(resumed.model.params), jax.tree.leaves(straight.model.params)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_remat_and_compute_dtype(tiny_chat):
+    batch = {"tokens": jnp.asarray(np.random.default_rng(0).integers(0, 1000, (2, 32)), jnp.int32),
+             "loss_mask": jnp.ones((2, 32), jnp.int32)}
+    value, grads = train.gradients(tiny_chat.params, tiny_chat.config, batch)
+    remat_value, remat_grads = train.gradients(tiny_chat.params, tiny_chat.config, batch, remat=True)
+    assert abs(float(remat_value) - float(value)) < 1e-6
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(remat_grads)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-7)
+    lora = train.init_lora(tiny_chat.config, train.LoraConfig(rank=4, alpha=8), jax.random.key(0))
+    lora = lora.replace(b=jax.tree.map(lambda b: b + 0.01, lora.b))
+    stacked = train.loss(tiny_chat.params, tiny_chat.config, batch, lora=lora)
+    unrolled = train.loss(unstack_layers(tiny_chat.params), tiny_chat.config, batch, lora=lora, remat=True)
+    assert abs(float(unrolled) - float(stacked)) < 1e-5  # the unrolled path takes adapters and remat too
+    low_value, low_grads = train.gradients(tiny_chat.params, tiny_chat.config, batch, compute_dtype=jnp.bfloat16)
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(low_grads))  # back in the params' dtype
+    assert abs(float(low_value) - float(value)) < 0.05 * float(value)
+    lowered = jax.jit(lambda p: train.loss(p, tiny_chat.config, batch, compute_dtype=jnp.bfloat16)).lower(
+        tiny_chat.params).as_text()
+    assert "bf16" in lowered
+
+
+def test_lora_teaches_smollm2_facts(smollm2, tmp_path):
+    """LoRA r=8 on four made-up facts, a few steps: the loss falls and greedy generate answers with them, from the
+    model directory the run ends in."""
+    data = write_jsonl(tmp_path / "facts.jsonl", fact_records())
+    questions = [q for q, _ in FACTS]
+    before = linnet_jax.generate(smollm2, questions, max_new_tokens=16)
+    result = train.finetune(data, tmp_path / "run", model=smollm2, lora_rank=8, lora_alpha=16, steps=10,
+                            batch_size=4, seq_len=64, lr=3e-3, packing=False, progress=False)
+    first, last = result.metrics[0]["loss"], result.metrics[-1]["loss"]
+    assert last < first / 10, (first, last)
+    tuned = linnet_jax.load(result.model_dir, progress=False)
+    after = linnet_jax.generate(tuned, questions, max_new_tokens=16)
+    taught = [answer in reply for (_, answer), reply in zip(FACTS, after)]
+    print(f"SmolLM2 LoRA: loss {first:.4f} -> {last:.4f}; before {before}; after {after}")
+    assert sum(taught) >= 3, after
+    assert not any(answer in reply for (_, answer), reply in zip(FACTS, before))
+    config = json.loads((result.adapter_dir / "adapter_config.json").read_text())
+    assert config["r"] == 8 and len(config["target_modules"]) == 7
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "linnet_jax", "finetune", "--no-compilation-cache", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_finetune_command(tiny_chat, chat_data, tmp_path):
+    model_dir = linnet_jax.export.hf(tiny_chat, tmp_path / "base", progress=False)
+    out = tmp_path / "out"
+    common = ["--data", str(chat_data), "--model", str(model_dir), "--lora-rank", "8", "--batch-size", "2",
+              "--seq-len", "64", "--lr", "3e-3", "--save-every", "2"]
+    done = run_cli(*common, "--steps", "3", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "loss=" in done.stderr and "tok_s=" in done.stderr  # the progress bar
+    assert f"model: {out / 'model'}" in done.stdout and f"PEFT adapter: {out / 'adapter'}" in done.stdout
+    again = run_cli(*common, "--steps", "5", "--resume", str(out))
+    assert again.returncode == 0, again.stderr[-3000:]
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == [1, 2, 3, 4, 5]
+    tuned = linnet_jax.load(out / "model", progress=False)
+    assert len(linnet_jax.generate(tuned, tokens=[[1, 2, 3]], max_new_tokens=4, ignore_eos=True)[0]) == 4
+    linnet_jax.export.gguf(tuned, tmp_path / "tuned.gguf", dtype="f32")
+    assert linnet_jax.load(tmp_path / "tuned.gguf", progress=False).config.num_layers == tiny_chat.config.num_layers
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    failed = run_cli("--data", str(empty), "--model", str(model_dir), str(tmp_path / "never"))
+    assert failed.returncode != 0 and f"linnet-jax finetune: {empty}: the file is empty" in failed.stderr
