@@ -12,7 +12,7 @@ from safetensors.numpy import save_file
 
 from linnet_jax.export._common import prepare_target, write_json
 from linnet_jax.models.lora import Lora
-from linnet_jax.models.params import LAYER_TENSORS, to_hf_layer_tensor
+from linnet_jax.models.params import LayerParams, declared, to_hf_layer_tensor
 from linnet_jax.train.lora import lora_config_of, split_shape
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
@@ -23,7 +23,7 @@ def peft_state(lora: Lora) -> dict[str, np.ndarray]:
     """The adapters as PEFT's state dict: lora_A [R, in] and lora_B [out, R] per layer and target."""
     state = {}
     for field in lora.a:
-        suffix = LAYER_TENSORS[field][0].removesuffix(".weight")
+        suffix = declared(LayerParams)[field]["hf_name"].removesuffix(".weight")
         a, b = np.asarray(lora.a[field]), np.asarray(lora.b[field])  # [L, *I, R], [L, R, *O]
         for i in range(a.shape[0]):
             name = f"{PREFIX}model.layers.{i}.{suffix}"

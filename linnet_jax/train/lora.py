@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from linnet_jax.models.lora import Lora
-from linnet_jax.models.params import LAYER_TENSORS, layer_shapes
+from linnet_jax.models.params import LayerParams, declared, layer_shapes
 
 # Hugging Face's module name -> the LayerParams field it adapts.
 TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w_gate", "up_proj": "w_up",
@@ -43,7 +43,7 @@ class LoraConfig:
 def split_shape(config, field: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """A projection's input axes I and output axes O (without the layer axis), e.g. wq → ((D,), (H, K))."""
     shape = layer_shapes(config)[field]
-    inputs = LAYER_TENSORS[field][1]
+    inputs = declared(LayerParams)[field]["inputs"]
     return shape[:inputs], shape[inputs:]
 
 
