@@ -33,6 +33,7 @@ OPS_SOURCES: dict[str, list[str]] = {
 }
 MODEL_SOURCES: dict[str, list[str]] = {
     "linnet_jax.models.params": ["LayerParams", "Params", "unflatten_params", "unstack_layers", "layer_slices"],
+    "linnet_jax.models.lora": ["Lora", "lora_term"],
     "linnet_jax.models.decoder": ["KVCache", "init_cache", "unstack_cache", "project_qkv", "write_rows", "update_cache",
                                   "append_positions", "decoder_layer", "forward"],
     "linnet_jax.generate": ["MIN_BUCKET", "bucket", "left_pad"],
