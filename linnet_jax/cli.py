@@ -93,11 +93,11 @@ def add_finetune(command: argparse.ArgumentParser) -> None:
     command.add_argument("--lora-targets", default=None,
                          help="comma-separated HF module names (default: q_proj,...,down_proj, all seven)")
     command.add_argument("--steps", type=int, default=100)
-    command.add_argument("--batch-size", type=int, default=4, help="rows per step")
+    command.add_argument("--batch-size", type=int, default=4, help="rows per micro-batch")
     command.add_argument("--seq-len", type=int, default=512)
     command.add_argument("--lr", type=float, default=1e-4)
     command.add_argument("--warmup", type=int, default=0, help="steps of linear warmup")
-    command.add_argument("--accum-steps", type=int, default=1, help="micro-batches per step")
+    command.add_argument("--accum-steps", type=int, default=1, help="micro-batches per step (a step sees batch-size x accum-steps rows)")
     command.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
     command.add_argument("--keep", type=int, default=3, help="checkpoints kept")
     command.add_argument("--resume", action="store_true", help="continue from OUT_DIR's latest checkpoint")

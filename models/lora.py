@@ -5,6 +5,8 @@ weight it adapts: wq [D, H, K] has I = (D,) and O = (H, K); wo [H, K, D] has I =
 The adapted weights are named by their `LayerParams` fields: wq, wk, wv, wo, w_gate, w_up, w_down.
 """
 
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,8 @@ class Lora:
 
     a: dict[str, jax.Array]
     b: dict[str, jax.Array]
-    scale: float = flax.struct.field(pytree_node=False)
+    # Static (not a leaf) for flax.struct and for jax.tree_util.register_dataclass (the generated JAX source).
+    scale: float = dataclasses.field(metadata={"pytree_node": False, "static": True})
 
     def add(self, out: jax.Array, name: str, x: jax.Array) -> jax.Array:
         """out + scale · B(A x) when weight `name` is adapted, else out. x: [B, T, *I]; out: [B, T, *O]."""

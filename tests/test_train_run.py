@@ -56,21 +56,20 @@ RUN = dict(steps=6, batch_size=2, seq_len=64, lr=3e-3, save_every=2, keep=10, pr
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
 def test_resume_gives_bit_identical_losses(tiny_chat, chat_data, tmp_path, lora_rank):
     """A run stopped after step 3 (its last checkpoint at 2) and resumed equals one that never stopped."""
-    straight = train.finetune(chat_data, tmp_path / "straight", model=tiny_chat, lora_rank=lora_rank, **RUN)
-    stopped = tmp_path / "stopped"
-    train.finetune(chat_data, stopped, model=tiny_chat, lora_rank=lora_rank, **RUN)
-    for step in (4, 6):  # what a run killed during step 4 leaves: checkpoints 2, metrics of steps 1..3
-        shutil.rmtree(stopped / "checkpoints" / str(step))
-    lines = (stopped / "metrics.jsonl").read_text().splitlines()
-    (stopped / "metrics.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    run = tmp_path / "run"
+    straight = train.finetune(chat_data, run, model=tiny_chat, lora_rank=lora_rank, **RUN)
+    for step in (4, 6):  # what the run leaves when killed during step 4: checkpoint 2, metrics of steps 1..3
+        shutil.rmtree(run / "checkpoints" / str(step))
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join(lines[:3]) + "\n")
     with pytest.raises(FileExistsError, match="holds checkpoints .last step 2.; pass resume=True"):
-        train.finetune(chat_data, stopped, model=tiny_chat, lora_rank=lora_rank, **RUN)
-    resumed = train.finetune(chat_data, stopped, model=tiny_chat, lora_rank=lora_rank, resume=True, **RUN)
+        train.finetune(chat_data, run, model=tiny_chat, lora_rank=lora_rank, **RUN)
+    resumed = train.finetune(chat_data, run, model=tiny_chat, lora_rank=lora_rank, resume=True, **RUN)
     assert [m["step"] for m in resumed.metrics] == [1, 2, 3, 4, 5, 6]
     assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in straight.metrics]  # bit for bit
     assert [m["lr"] for m in resumed.metrics] == [m["lr"] for m in straight.metrics]
     assert straight.metrics[-1]["loss"] < straight.metrics[0]["loss"]
-    logged = [json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["loss"] for m in logged] == [m["loss"] for m in straight.metrics]
     assert set(logged[0]) >= {"step", "loss", "grad_norm", "tokens", "lr"}
     for a, b in zip(jax.tree.leaves(resumed.model.params), jax.tree.leaves(straight.model.params)):
@@ -87,8 +86,8 @@ def test_remat_and_compute_dtype(tiny_chat):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-7)
     lora = train.init_lora(tiny_chat.config, train.LoraConfig(rank=4, alpha=8), jax.random.key(0))
     lora = lora.replace(b=jax.tree.map(lambda b: b + 0.01, lora.b))
-    stacked = train.loss(tiny_chat.params, tiny_chat.config, batch, lora=lora)
-    unrolled = train.loss(unstack_layers(tiny_chat.params), tiny_chat.config, batch, lora=lora, remat=True)
+    stacked = train.gradients(tiny_chat.params, tiny_chat.config, batch, lora=lora)[0]
+    unrolled = train.gradients(unstack_layers(tiny_chat.params), tiny_chat.config, batch, lora=lora, remat=True)[0]
     assert abs(float(unrolled) - float(stacked)) < 1e-5  # the unrolled path takes adapters and remat too
     low_value, low_grads = train.gradients(tiny_chat.params, tiny_chat.config, batch, compute_dtype=jnp.bfloat16)
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(low_grads))  # back in the params' dtype

@@ -34,6 +34,7 @@ OPS_SOURCES: dict[str, list[str]] = {
 MODEL_SOURCES: dict[str, list[str]] = {
     "linnet_jax.models.params": ["weight", "LayerParams", "Params", "unflatten_params", "unstack_layers",
                                  "layer_slices"],
+    "linnet_jax.models.lora": ["Lora", "lora_term"],
     "linnet_jax.models.decoder": ["KVCache", "init_cache", "project_qkv", "ring_write", "update_cache",
                                   "record_positions", "advance", "decoder_layer", "forward", "layer_params"],
     "linnet_jax.generate": ["MIN_BUCKET", "bucket", "left_pad"],

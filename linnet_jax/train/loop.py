@@ -51,8 +51,8 @@ def finetune(data, out_dir, *, model=None, dtype=None, lora_rank: int = 8, lora_
     on the JSON Lines file `data`, writing out_dir as the module docstring lays out.
 
     lora_rank 0 trains every weight; otherwise LoRA adapters of that rank and alpha on lora_targets (HF names;
-    default all seven projections). batch_size rows of seq_len tokens per step (packed unless packing=False),
-    split into accum_steps micro-batches. The learning rate warms up over `warmup` steps, then decays by a
+    default all seven projections). A step runs accum_steps micro-batches of batch_size rows of seq_len tokens
+    (packed unless packing=False), one at a time: one update over batch_size × accum_steps rows. The learning rate warms up over `warmup` steps, then decays by a
     cosine to a tenth at `steps`. resume=True continues from the latest checkpoint in out_dir/checkpoints
     (step, weights, optimizer state, data position); without it an out_dir that has checkpoints is an error.
     export=False skips writing model/ and adapter/.

@@ -215,10 +215,13 @@ def make_train_step(optimizer: optax.GradientTransformation, *, lora: LoraConfig
     return step
 
 
-def gradients(params: Params, config: Config, batch: dict, *, lora: Lora | None = None, **options):
-    """(loss, gradient) of `loss` with respect to the params, or to the adapters when `lora` is given."""
+@functools.partial(jax.jit, static_argnames=("config", "remat", "compute_dtype"))
+def gradients(params: Params, config: Config, batch: dict, *, lora: Lora | None = None, remat: bool = False,
+              compute_dtype=None):
+    """(loss, gradient) of `loss` with respect to the params, or to the adapters when `lora` is given. Jitted."""
+    options = dict(remat=remat, compute_dtype=compute_dtype)
     if lora is None:
-        return jax.value_and_grad(functools.partial(loss, config=config, batch=batch, **options))(params)
+        return jax.value_and_grad(lambda p: loss(p, config, batch, **options))(params)
     return jax.value_and_grad(lambda adapters: loss(params, config, batch, lora=adapters, **options))(lora)
 
 
