@@ -71,6 +71,8 @@ def project_qkv(h: jax.Array, lp: LayerParams, config: Config, lora: Lora | None
     v = jnp.einsum("btd,dgk->btgk", h, lp.wv)
     if config.qkv_bias:
         q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
+    if lora is not None:
+        q, k, v = lora.add(q, "wq", h), lora.add(k, "wk", h), lora.add(v, "wv", h)
     if config.qk_norm:
         q = rms_norm(q, lp.q_norm, config.rms_norm_eps)
         k = rms_norm(k, lp.k_norm, config.rms_norm_eps)

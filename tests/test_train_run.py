@@ -142,4 +142,4 @@ def test_finetune_command(tiny_chat, chat_data, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     failed = run_cli("--data", str(empty), "--model", str(model_dir), str(tmp_path / "never"))
-    assert failed.returncode != 0 and f"linnet-jax finetune: {empty}: the file is empty" in failed.stderr
+    assert failed.returncode == 1 and f"linnet-jax finetune: error: {empty}: the file is empty" in failed.stderr
