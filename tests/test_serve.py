@@ -158,11 +158,11 @@ def mixed_requests(count: int) -> list[dict]:
     rng = random.Random(0)
     requests = []
     for i in range(count):
-        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 90)))
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
         sampling = [dict(temperature=0.0),
                     dict(temperature=0.9, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.1, seed=1000 + i),
                     dict(temperature=1.0)][i % 3]
-        requests.append(dict(prompt=prompt, max_tokens=rng.randint(1, 48), **sampling))
+        requests.append(dict(prompt=prompt, max_tokens=rng.randint(1, 24), **sampling))
     return requests
 
 
@@ -350,6 +350,7 @@ def test_still_serving_after_the_fuzz(tiny_server):
 # --- cancellation, queue, keys --------------------------------------------------------------------------------
 
 LONG = dict(model=MODEL, prompt="the sea", max_tokens=240, ignore_eos=True, temperature=0)
+UNNAMED = {key: value for key, value in LONG.items() if key != "model"}  # any model name is the served one
 
 
 def test_disconnect_mid_stream_frees_the_slot(tiny_server):
@@ -390,7 +391,9 @@ def test_queue_full_is_429_with_retry_after(tiny_chat):
         if not queued.done:  # the queued one did not run out of the queue meanwhile
             assert response.status_code == 429, response.text
             assert response.headers["retry-after"] == "1" and response.json()["error"]["code"] == "queue_full"
-        queued.cancel(), running.cancel()
+        for handle in (queued, running):
+            handle.cancel()
+            assert handle.result(timeout=30).stop_reason in ("cancelled", "length")
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
@@ -422,27 +425,32 @@ def test_sigterm_with_requests_in_flight_exits_cleanly(tiny_chat_dir):
     sock.close()
     server = subprocess.Popen(
         [sys.executable, "-m", "linnet_jax", "serve", "--model", str(tiny_chat_dir), "--port", str(port), "--slots",
-         "2", "--max-len", "256", "--shutdown-deadline", "1", "--no-compilation-cache"],
+         "2", "--max-len", "512", "--shutdown-deadline", "1", "--no-compilation-cache"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         assert wait_for(lambda: server.poll() is None and reachable(url), 180), "the server did not come up"
-        outcomes = []
+        outcomes, streaming = [], threading.Semaphore(0)
 
         def stream():
-            with httpx.stream("POST", f"{url}/v1/completions", json=LONG | {"max_tokens": 250, "stream": True},
+            with httpx.stream("POST", f"{url}/v1/completions", json=UNNAMED | {"max_tokens": 480, "stream": True},
                               timeout=60) as response:
-                outcomes.append([line for line in response.iter_lines() if line])
+                lines = response.iter_lines()
+                outcomes.append([next(lines)])
+                streaming.release()
+                outcomes[-1] += [line for line in lines if line]
 
-        threads = [threading.Thread(target=stream) for _ in range(3)]
+        threads = [threading.Thread(target=stream) for _ in range(3)]  # two run, one waits in the queue
         for thread in threads:
             thread.start()
-        assert wait_for(lambda: metric(url, "linnet_jax_busy_slots") == 2)
+        assert streaming.acquire(timeout=60) and streaming.acquire(timeout=60), "two requests are streaming"
         server.send_signal(signal.SIGTERM)
         assert server.wait(60) == 0, server.stdout.read()
         for thread in threads:
             thread.join(30)
         assert len(outcomes) == 3 and all(lines[-1] == "data: [DONE]" for lines in outcomes)
+        finishes = [json.loads(lines[-2].removeprefix("data: "))["choices"][0]["finish_reason"] for lines in outcomes]
+        assert "abort" in finishes, "the deadline cancelled what was still running"
     finally:
         if server.poll() is None:
             server.kill()
