@@ -22,6 +22,7 @@ import openai
 import pytest
 import transformers
 import uvicorn
+from conftest import TINY
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,7 +30,6 @@ import linnet_jax
 from linnet_jax import generate
 from linnet_jax.serve import Engine
 from linnet_jax.serve.app import create_app, field_path
-from tests.conftest import TINY
 
 MODEL = "test-model"
 WORDS = "the sea a cat ran over blue hills while seven quiet birds sang of rain and bread".split()
@@ -275,7 +275,12 @@ BAD_REQUESTS = [  # (path, body, status, param)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1},
      400, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/completions", {"prompt": "a lone \ud800"}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "model": "\ud800"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [2**70]}, 400, "tokens"),
     ("/tokenize", {}, 400, "prompt"),
     ("/nowhere", {}, 404, None),
 ]
@@ -307,12 +312,15 @@ def test_field_path_drops_union_member_tags():
 
 # --- the fuzz -------------------------------------------------------------------------------------------------
 
+def json_containers(inner: st.SearchStrategy) -> st.SearchStrategy:
+    return st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+
+
 JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
-                           | st.text(max_size=8), lambda inner: st.lists(inner, max_size=3)
-                           | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=6)
+                           | st.text(max_size=8), json_containers, max_leaves=6)
 FIELDS = {
-    "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 60000), max_size=5) | st.lists(st.text(max_size=8),
-                                                                                               max_size=3),
+    "prompt": st.text(max_size=30) | st.sampled_from(["\ud800", "<|im_start|>", "", " " * 300])
+    | st.lists(st.integers(-5, 60000), max_size=5) | st.lists(st.text(max_size=8), max_size=3),
     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
                                                 "content": st.text(max_size=20) | JSON_VALUES}), max_size=3),
     "max_tokens": st.integers(-3, 300) | JSON_VALUES, "temperature": st.floats(-1, 3) | JSON_VALUES,
@@ -329,7 +337,7 @@ BODIES = st.dictionaries(st.sampled_from(sorted(FIELDS)), st.none(), max_size=8)
 PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+@settings(max_examples=100, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(path=PATHS, body=BODIES | JSON_VALUES, raw=st.booleans())
 def test_fuzz_never_gets_a_5xx(tiny_server, path, body, raw):
