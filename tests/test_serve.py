@@ -297,11 +297,24 @@ def test_bad_requests_get_openai_errors_naming_the_field(tiny_server, path, body
 
 
 def test_user_neutral_values_and_unknown_fields_are_accepted(tiny_server):
-    body = dict(model=MODEL, prompt="hi", max_tokens=2, user="someone", presence_penalty=0, best_of=1,
-                response_format={"type": "text"}, some_vendor_field={"x": 1}, top_k=-1)
+    body = dict(model=MODEL, prompt="hi", max_completion_tokens=2, user="someone", presence_penalty=0, best_of=1,
+                response_format={"type": "text"}, some_vendor_field={"x": 1}, top_k=-1, ignore_eos=True)
     response = httpx.post(f"{tiny_server}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
-    assert response.json()["usage"]["completion_tokens"] <= 2
+    assert response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_stop_strings_and_stop_ids_end_choices_as_generate_does(tiny_chat, tiny_server):
+    whole = generate(tiny_chat, "the sea", 12, chat=False, ignore_eos=True, return_details=True)
+    stop = whole.text[len(whole.text) // 2:][:3]
+    expected = generate(tiny_chat, "the sea", 12, chat=False, ignore_eos=True, stop=[stop])
+    api = client(tiny_server)
+    cut = api.completions.create(model=MODEL, prompt="the sea", max_tokens=12, temperature=0, stop=[stop],
+                                 extra_body={"ignore_eos": True})
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (expected, "stop")
+    by_id = api.completions.create(model=MODEL, prompt="the sea", max_tokens=12, temperature=0,
+                                   extra_body={"ignore_eos": True, "stop_token_ids": [whole.tokens[3]]})
+    assert by_id.choices[0].finish_reason == "stop" and by_id.usage.completion_tokens == 3
 
 
 def test_field_path_drops_union_member_tags():
@@ -421,7 +434,8 @@ def test_api_key_is_needed_everywhere_but_health(tiny_engine):
 # --- the command ----------------------------------------------------------------------------------------------
 
 def test_serve_flags_are_refused_before_loading():
-    for flags in (["--slots", "0"], ["--port", "70000"], ["--max-len", "x"]):
+    for flags in (["--slots", "0"], ["--port", "70000"], ["--max-len", "x"], ["--max-len", "8"],
+                  ["--shutdown-deadline", "-1"]):
         result = subprocess.run([sys.executable, "-m", "linnet_jax", "serve", *flags], capture_output=True, text=True,
                                 timeout=60)
         assert result.returncode == 2, result.stderr
