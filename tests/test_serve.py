@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 import linnet_jax
 from linnet_jax import generate
+from linnet_jax.cli import main
 from linnet_jax.serve import Engine
 from linnet_jax.serve.app import create_app, field_path
 
@@ -433,12 +434,13 @@ def test_api_key_is_needed_everywhere_but_health(tiny_engine):
 
 # --- the command ----------------------------------------------------------------------------------------------
 
-def test_serve_flags_are_refused_before_loading():
-    for flags in (["--slots", "0"], ["--port", "70000"], ["--max-len", "x"], ["--max-len", "8"],
-                  ["--shutdown-deadline", "-1"]):
-        result = subprocess.run([sys.executable, "-m", "linnet_jax", "serve", *flags], capture_output=True, text=True,
-                                timeout=60)
-        assert result.returncode == 2, result.stderr
+@pytest.mark.parametrize("flags", [["--slots", "0"], ["--port", "70000"], ["--max-len", "x"], ["--max-len", "8"],
+                                   ["--shutdown-deadline", "-1"], ["--shutdown-deadline", "inf"]])
+def test_serve_flags_are_refused_before_loading(monkeypatch, flags):
+    monkeypatch.setattr(linnet_jax, "load", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", "--model", "/nowhere", *flags])
+    assert exit.value.code == 2
 
 
 def test_sigterm_with_requests_in_flight_exits_cleanly(tiny_chat_dir):
