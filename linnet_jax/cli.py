@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
                         f"type, {', '.join(EXPORT_DTYPES['gguf'])} (default {GGUF_DEFAULT})")
     export.add_argument("--overwrite", action="store_true", help="write over an existing OUT")
     export.add_argument("out", metavar="OUT", help="a directory (a .gguf file for --format gguf)")
-    serve = commands.add_parser("serve", parents=[source], help="an OpenAI-compatible HTTP server (continuous batching)")
+    serve = commands.add_parser("serve", parents=[source], help="an OpenAI-compatible HTTP server")
     serve.add_argument("--dtype", default=None, choices=DTYPES)
     serve.add_argument("--slots", type=positive_int, default=16, help="requests decoded together (cache rows)")
     serve.add_argument("--max-len", type=positive_int, default=640, help="positions per slot: prompt + new tokens")

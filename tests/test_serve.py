@@ -22,14 +22,15 @@ import openai
 import pytest
 import transformers
 import uvicorn
+from conftest import TINY
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import linnet_jax
 from linnet_jax import generate
+from linnet_jax.cli import main
 from linnet_jax.serve import Engine
 from linnet_jax.serve.app import create_app, field_path
-from tests.conftest import TINY
 
 MODEL = "test-model"
 WORDS = "the sea a cat ran over blue hills while seven quiet birds sang of rain and bread".split()
@@ -275,7 +276,12 @@ BAD_REQUESTS = [  # (path, body, status, param)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1},
      400, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/completions", {"prompt": "a lone \ud800"}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "model": "\ud800"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [2**70]}, 400, "tokens"),
     ("/tokenize", {}, 400, "prompt"),
     ("/nowhere", {}, 404, None),
 ]
@@ -292,11 +298,24 @@ def test_bad_requests_get_openai_errors_naming_the_field(tiny_server, path, body
 
 
 def test_user_neutral_values_and_unknown_fields_are_accepted(tiny_server):
-    body = dict(model=MODEL, prompt="hi", max_tokens=2, user="someone", presence_penalty=0, best_of=1,
-                response_format={"type": "text"}, some_vendor_field={"x": 1}, top_k=-1)
+    body = dict(model=MODEL, prompt="hi", max_completion_tokens=2, user="someone", presence_penalty=0, best_of=1,
+                response_format={"type": "text"}, some_vendor_field={"x": 1}, top_k=-1, ignore_eos=True)
     response = httpx.post(f"{tiny_server}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
-    assert response.json()["usage"]["completion_tokens"] <= 2
+    assert response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_stop_strings_and_stop_ids_end_choices_as_generate_does(tiny_chat, tiny_server):
+    whole = generate(tiny_chat, "the sea", 12, chat=False, ignore_eos=True, return_details=True)
+    stop = whole.text[len(whole.text) // 2:][:3]
+    expected = generate(tiny_chat, "the sea", 12, chat=False, ignore_eos=True, stop=[stop])
+    api = client(tiny_server)
+    cut = api.completions.create(model=MODEL, prompt="the sea", max_tokens=12, temperature=0, stop=[stop],
+                                 extra_body={"ignore_eos": True})
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (expected, "stop")
+    by_id = api.completions.create(model=MODEL, prompt="the sea", max_tokens=12, temperature=0,
+                                   extra_body={"ignore_eos": True, "stop_token_ids": [whole.tokens[3]]})
+    assert by_id.choices[0].finish_reason == "stop" and by_id.usage.completion_tokens == 3
 
 
 def test_field_path_drops_union_member_tags():
@@ -307,12 +326,15 @@ def test_field_path_drops_union_member_tags():
 
 # --- the fuzz -------------------------------------------------------------------------------------------------
 
+def json_containers(inner: st.SearchStrategy) -> st.SearchStrategy:
+    return st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+
+
 JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
-                           | st.text(max_size=8), lambda inner: st.lists(inner, max_size=3)
-                           | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=6)
+                           | st.text(max_size=8), json_containers, max_leaves=6)
 FIELDS = {
-    "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 60000), max_size=5) | st.lists(st.text(max_size=8),
-                                                                                               max_size=3),
+    "prompt": st.text(max_size=30) | st.sampled_from(["\ud800", "<|im_start|>", "", " " * 300])
+    | st.lists(st.integers(-5, 60000), max_size=5) | st.lists(st.text(max_size=8), max_size=3),
     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
                                                 "content": st.text(max_size=20) | JSON_VALUES}), max_size=3),
     "max_tokens": st.integers(-3, 300) | JSON_VALUES, "temperature": st.floats(-1, 3) | JSON_VALUES,
@@ -329,7 +351,7 @@ BODIES = st.dictionaries(st.sampled_from(sorted(FIELDS)), st.none(), max_size=8)
 PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+@settings(max_examples=100, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(path=PATHS, body=BODIES | JSON_VALUES, raw=st.booleans())
 def test_fuzz_never_gets_a_5xx(tiny_server, path, body, raw):
@@ -412,11 +434,13 @@ def test_api_key_is_needed_everywhere_but_health(tiny_engine):
 
 # --- the command ----------------------------------------------------------------------------------------------
 
-def test_serve_flags_are_refused_before_loading():
-    for flags in (["--slots", "0"], ["--port", "70000"], ["--max-len", "x"]):
-        result = subprocess.run([sys.executable, "-m", "linnet_jax", "serve", *flags], capture_output=True, text=True,
-                                timeout=60)
-        assert result.returncode == 2, result.stderr
+@pytest.mark.parametrize("flags", [["--slots", "0"], ["--port", "70000"], ["--max-len", "x"], ["--max-len", "8"],
+                                   ["--shutdown-deadline", "-1"], ["--shutdown-deadline", "inf"]])
+def test_serve_flags_are_refused_before_loading(monkeypatch, flags):
+    monkeypatch.setattr(linnet_jax, "load", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", "--model", "/nowhere", *flags])
+    assert exit.value.code == 2
 
 
 def test_sigterm_with_requests_in_flight_exits_cleanly(tiny_chat_dir):

@@ -37,8 +37,7 @@ from linnet_jax.serve.protocol import (ChatCompletions, ChatRequest, CompletionR
                                        message_dicts, refused_field, usage)
 
 log = logging.getLogger("linnet_jax.serve")
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+ERROR_TYPES = {429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}  # else invalid_request_error
 # Engine error messages -> the request field they are about (checked in this order; else the prompt).
 ENGINE_FIELDS = (("max_tokens", "max_tokens"), ("stop token", "stop_token_ids"), ("stop", "stop"),
                  ("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
@@ -302,6 +301,11 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
     async def http_error(request: Request, exc: HTTPException):
         return error_response(APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)))
 
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception):
+        log.exception("internal error on %s", request.url.path)
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
+
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model",
@@ -404,7 +408,7 @@ def serve(app: FastAPI, engine: Engine, *, host: str, port: int, deadline: float
     closer = threading.Thread(target=engine.close, args=(deadline,), name="linnet-jax-drain", daemon=True)
     config = uvicorn.Config(app, host=host, port=port, lifespan="off", timeout_graceful_shutdown=deadline + 5)
     DrainingServer(config).run()
-    if closer.is_alive() or closer.ident is not None:
+    if closer.ident is not None:  # a signal started the drain
         closer.join()
     else:
         engine.close()

@@ -124,8 +124,9 @@ class Handle:
             top = self.top[:len(tokens)]
         tokenizer = self.engine.model.tokenizer
         text = final.text if final else (tokenizer.decode(tokens) if tokenizer else None)
-        if final is None and text is not None and held_back(text, self.stops):
-            return None
+        if final is None and text is not None and (
+                held_back(text, self.stops) or cut_at_stop(text, self.stops) is not None):
+            return None  # a stop string's prefix, or a whole one (the engine is about to finish the request)
         piece = Piece(text=(text or "")[sent.chars:], tokens=tokens[sent.tokens:], logprobs=logprobs[sent.tokens:],
                       top_logprobs=top[sent.tokens:])
         sent.chars, sent.tokens, sent.final = len(text or ""), len(tokens), final is not None
