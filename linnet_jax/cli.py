@@ -1,5 +1,5 @@
-"""The command line: `linnet-jax generate "PROMPT"`, `linnet-jax chat` and `linnet-jax export` (also
-`python -m linnet_jax`).
+"""The command line: `linnet-jax generate "PROMPT"`, `linnet-jax chat`, `linnet-jax export` and `linnet-jax serve`
+(the OpenAI-compatible server; also `python -m linnet_jax`).
 
 A bad flag is refused before the model loads (exit status 2); any other failure the user can fix (a
 missing model, a file in the way, a prompt that does not fit) prints one line naming it and exits 1.
@@ -53,6 +53,16 @@ def parser() -> argparse.ArgumentParser:
                         f"type, {', '.join(EXPORT_DTYPES['gguf'])} (default {GGUF_DEFAULT})")
     export.add_argument("--overwrite", action="store_true", help="write over an existing OUT")
     export.add_argument("out", metavar="OUT", help="a directory (a .gguf file for --format gguf)")
+    serve = commands.add_parser("serve", parents=[source], help="an OpenAI-compatible HTTP server (continuous batching)")
+    serve.add_argument("--dtype", default=None, choices=DTYPES)
+    serve.add_argument("--slots", type=positive_int, default=16, help="requests decoded together (cache rows)")
+    serve.add_argument("--max-len", type=positive_int, default=640, help="positions per slot: prompt + new tokens")
+    serve.add_argument("--max-queue", type=positive_int, default=256, help="waiting requests before 429s")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=port, default=8000)
+    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
+    serve.add_argument("--shutdown-deadline", type=non_negative_float, default=30.0,
+                       help="seconds running requests get to finish after SIGTERM/SIGINT before they are cancelled")
     return main
 
 
@@ -64,6 +74,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+def port(text: str) -> int:
+    """argparse type: a TCP port, 0 to 65535."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite float ≥ 0."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number ≥ 0, got {text}")
+    return value
+
+
 def check_flags(arguments: argparse.ArgumentParser, args) -> None:
     """Refuse (exit status 2) flags that cannot work together or that generate would refuse, before any loading."""
     if args.command == "export":
@@ -71,7 +97,12 @@ def check_flags(arguments: argparse.ArgumentParser, args) -> None:
             arguments.error(f"--dtype {args.dtype} is not one of {EXPORT_DTYPES[args.format]} "
                             f"(for --format {args.format})")
         return
-    from linnet_jax.generate import make_sampling
+    from linnet_jax.generate import MIN_BUCKET, make_sampling
+
+    if args.command == "serve":
+        if args.max_len < MIN_BUCKET:
+            arguments.error(f"--max-len must be at least {MIN_BUCKET}, got {args.max_len}")
+        return
 
     if args.raw and args.system:
         arguments.error("--system needs the chat template; drop --raw")
@@ -135,11 +166,30 @@ def run(args) -> int:
     start = time.perf_counter()
     model = load(args.model, dtype=args.dtype)
     print(f"{model} loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    if args.command == "serve":
+        return serve(model, args)
     if args.command == "generate":
         prompt = args.prompt if args.raw else conversation_start(args) + [{"role": "user", "content": args.prompt}]
         stream_reply(model, prompt, args)
         return 0
     return chat(model, args)
+
+
+def serve(model, args) -> int:
+    """Warm an Engine up and serve it over HTTP until SIGTERM or SIGINT (then drain; exit status 0)."""
+    from linnet_jax.load import DEFAULT_MODEL
+    from linnet_jax.serve import Engine
+    from linnet_jax.serve.app import create_app
+    from linnet_jax.serve.app import serve as run_server
+
+    engine = Engine(model, slots=args.slots, max_len=args.max_len, max_queue=args.max_queue)
+    start = time.perf_counter()
+    engine.warmup()
+    print(f"engine warmed up in {time.perf_counter() - start:.1f} s ({args.slots} slots of {args.max_len} positions)",
+          file=sys.stderr)
+    app = create_app(engine, model_name=args.model or DEFAULT_MODEL, api_key=args.api_key)
+    run_server(app, engine, host=args.host, port=args.port, deadline=args.shutdown_deadline)
+    return 0
 
 
 def chat(model, args) -> int:

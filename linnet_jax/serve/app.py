@@ -1,0 +1,410 @@
+"""The OpenAI-compatible HTTP server on an `Engine`: `create_app(engine, model_name=...)` is a FastAPI app.
+
+Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sent events or whole), GET
+/v1/models, GET /health, GET /metrics (Prometheus text), POST /tokenize and /detokenize. The app knows the
+engine's Python API only (`submit`, handles, `stats`, `on_finish`, `compiles_after_warmup`).
+
+Errors are OpenAI's JSON, `{"error": {"message", "type", "param", "code"}}`: 400 naming the field for a body
+that is not JSON, a wrong type, a bad value, a field this server does not implement, a prompt that cannot fit;
+401 without the API key; 404 for an unknown model; 429 with Retry-After when the engine's queue is full; 503
+while shutting down. A client that disconnects has its requests cancelled: their slots are free before the
+engine's next decode dispatch.
+"""
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+
+from linnet_jax._version import __version__
+from linnet_jax.serve.engine import Engine, Handle, Piece, QueueFull
+from linnet_jax.serve.protocol import (ChatCompletions, ChatRequest, CompletionRequest, Completions, DetokenizeRequest,
+                                       Output, Sampling, Shape, TokenizeRequest, engine_options, finish_reason,
+                                       message_dicts, refused_field, usage)
+
+log = logging.getLogger("linnet_jax.serve")
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+# Engine error messages -> the request field they are about (checked in this order; else the prompt).
+ENGINE_FIELDS = (("max_tokens", "max_tokens"), ("stop token", "stop_token_ids"), ("stop", "stop"),
+                 ("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
+                 ("repetition_penalty", "repetition_penalty"), ("seed", "seed"))
+BAD_INPUT = (ValueError, TypeError, OverflowError, jinja2.TemplateError)
+TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+RETRY_AFTER_S = 1
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+class ASCIIJSONResponse(JSONResponse):
+    """JSON with non-ASCII characters escaped, so that text holding a lone surrogate is still sent."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
+def error_response(error: APIError) -> Response:
+    body = {"error": {"message": error.message, "type": ERROR_TYPES.get(error.status, "invalid_request_error"),
+                      "param": error.param, "code": error.code}}
+    return ASCIIJSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """The first pydantic error of a request body, as a 400 naming the field (`messages[0].content`)."""
+    first = exc.errors()[0]
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first.get('msg')}", code="invalid_json")
+    param = field_path(loc)
+    where = f"{param}: " if param else "the request body: "
+    return APIError(400, where + str(first.get("msg")), param)
+
+
+def field_path(loc: list) -> str | None:
+    """A pydantic error location as a field path (`messages[0].content`), without union member tags."""
+    if not loc or not isinstance(loc[0], str):
+        return None
+    path = loc[0]
+    for part in loc[1:]:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in TYPE_TAGS:
+            path += f".{part}"
+        else:
+            break
+    return path
+
+
+def engine_error(error: Exception, prompt_field: str) -> APIError:
+    """A ValueError (or template error) from the engine or tokenizer as a 400 naming the field it is about."""
+    message = " ".join(str(error).split())
+    param = next((field for word, field in ENGINE_FIELDS if message.startswith(word) or f" {word}" in message),
+                 prompt_field)
+    return APIError(400, message, param)
+
+
+def authorized(header: str | None, key: str) -> bool:
+    """Whether an Authorization header carries `Bearer key` (compared in constant time)."""
+    scheme, _, token = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+class BearerAuth:
+    """ASGI middleware: every path but /health needs `Authorization: Bearer KEY` (else 401)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health" \
+                and not authorized(Headers(scope=scope).get("authorization"), self.key):
+            response = error_response(APIError(401, "a valid API key is needed: Authorization: Bearer KEY",
+                                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class EngineCollector:
+    """Prometheus gauges and counters read from `engine.stats()` at each scrape."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.stats()
+        for name, key, text in (("requests_running", "running", "requests holding a slot"),
+                                ("requests_queued", "queued", "requests waiting for a slot"),
+                                ("busy_slots", "busy_slots", "cache slots in use"),
+                                ("slots", "slots", "cache slots")):
+            yield GaugeMetricFamily(f"linnet_jax_{name}", text, value=stats[key])
+        yield CounterMetricFamily("linnet_jax_generated_tokens", "tokens generated", value=stats["tokens_generated"])
+        yield CounterMetricFamily("linnet_jax_requests_finished", "requests finished (cancelled ones included)",
+                                  value=stats["requests_finished"])
+        compiles = self.engine.compiles_after_warmup
+        if compiles is not None:
+            yield GaugeMetricFamily("linnet_jax_compiles_after_warmup", "programs compiled after engine.warmup()",
+                                    value=compiles)
+
+
+class Metrics:
+    """The app's Prometheus registry: the engine's state and the TTFT and time-per-output-token histograms
+    (observed by `engine.on_finish` as each request finishes)."""
+
+    def __init__(self, engine: Engine):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+        self.ttft = Histogram("linnet_jax_time_to_first_token_seconds", "from submission to the first token",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("linnet_jax_time_per_output_token_seconds", "decode time per token after the first",
+                              buckets=TPOT_BUCKETS, registry=self.registry)
+        engine.on_finish.append(self.observe)
+
+    def observe(self, handle: Handle) -> None:
+        if handle.first_token_at is None:
+            return
+        self.ttft.observe(handle.first_token_at - handle.submitted)
+        tokens = len(handle.generation.tokens)
+        if tokens > 1:
+            self.tpot.observe((time.perf_counter() - handle.first_token_at) / (tokens - 1))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def completion_prompts(prompt) -> list[dict]:
+    """/v1/completions' prompt as Engine.submit keywords, one per prompt (text is encoded without the chat
+    template)."""
+    if isinstance(prompt, str):
+        return [{"prompt": prompt, "chat": False}]
+    if not prompt:
+        raise APIError(400, "prompt is an empty list", "prompt")
+    if isinstance(prompt[0], int):
+        return [{"tokens": prompt}]
+    if isinstance(prompt[0], str):
+        return [{"prompt": text, "chat": False} for text in prompt]
+    if empty := next((i for i, ids in enumerate(prompt) if not ids), None):
+        raise APIError(400, f"prompt[{empty}] is an empty list of ids", "prompt")
+    return [{"tokens": ids} for ids in prompt]
+
+
+def submit_all(engine: Engine, prompts: list[dict], n: int, options: dict, prompt_field: str) -> list[Handle]:
+    """Submit each prompt n times (choice i of one seed), prompt-major; all of them or none (cancelled)."""
+    handles: list[Handle] = []
+    try:
+        for prompt in prompts:
+            handles += [engine.submit(**prompt, **options, choice=choice) for choice in range(n)]
+    except BaseException as error:
+        for handle in handles:
+            handle.cancel()
+        raise submit_error(error, prompt_field) from error
+    return handles
+
+
+def submit_error(error: BaseException, prompt_field: str) -> BaseException:
+    """What Engine.submit raised, as an APIError where the client is the cause."""
+    if isinstance(error, QueueFull):
+        return APIError(429, str(error), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(error, BAD_INPUT):
+        return engine_error(error, prompt_field)
+    if isinstance(error, RuntimeError):
+        return APIError(503, str(error), code="shutting_down")
+    return error
+
+
+async def collect(handle: Handle) -> Output:
+    output = Output()
+    async for piece in handle:
+        output.add(piece)
+    return output
+
+
+async def merged(handles: list[Handle]) -> AsyncIterator[tuple[int, Piece | None]]:
+    """(index, piece) as the handles' pieces arrive, and (index, None) when handle `index` finishes."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, handle: Handle) -> None:
+        async for piece in handle:
+            await queue.put((index, piece))
+        await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(index, handle)) for index, handle in enumerate(handles)]
+    running = len(handles)
+    try:
+        while running:
+            item = await queue.get()
+            running -= item[1] is None
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def cancel_on_disconnect(request: Request, handles: list[Handle]) -> asyncio.Task:
+    """A task that cancels the handles when the client disconnects."""
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        cancel(handles)
+
+    return asyncio.ensure_future(watch())
+
+
+def cancel(handles: list[Handle]) -> None:
+    for handle in handles:
+        if not handle.done:
+            handle.cancel()
+
+
+async def stream_chunks(shape: Shape, handles: list[Handle], n: int, include_usage: bool) -> AsyncIterator[dict]:
+    """The chunks of a streamed response: each piece of each choice, its finish, then (asked for) usage."""
+    started, offsets = [False] * len(handles), [0] * len(handles)
+    async for index, piece in merged(handles):
+        if piece is None:
+            yield shape.chunk([shape.end(index, finish_reason(handles[index]), not started[index])])
+        else:
+            yield shape.chunk([shape.delta(index, piece, not started[index], offsets[index])])
+            started[index], offsets[index] = True, offsets[index] + len(piece.text)
+    if include_usage:
+        yield shape.chunk([], usage(handles, n))
+
+
+async def server_sent_events(chunks: AsyncIterator[dict], watcher: asyncio.Task, handles: list[Handle]):
+    """`data: {json}` per chunk, then `data: [DONE]`; the handles are cancelled if the stream stops early."""
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        watcher.cancel()
+        cancel(handles)
+
+
+def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The OpenAI-compatible app over `engine`, serving it as `model_name`; with `api_key`, every endpoint but
+    /health needs `Authorization: Bearer api_key`."""
+    app = FastAPI(title="linnet_jax", version=__version__, default_response_class=ASCIIJSONResponse)
+    metrics, created, tokenizer = Metrics(engine), int(time.time()), engine.model.tokenizer
+    if api_key is not None:
+        app.add_middleware(BearerAuth, key=api_key)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return error_response(APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)))
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model",
+                           "model_not_found")
+
+    async def respond(request: Request, body: Sampling, shape: Shape, prompts: list[dict], top_logprobs: int,
+                      prompt_field: str):
+        check_model(body.model)
+        if refused := refused_field(body):
+            raise APIError(400, f"{refused} is not supported by this server", refused, "unsupported_field")
+        n = body.n or 1
+        if n * len(prompts) > engine.slots:
+            raise APIError(400, f"n={n} choices of {len(prompts)} prompt(s) need more than the server's "
+                                f"{engine.slots} slots", "n")
+        seed = secrets.randbits(63) if body.seed is None else body.seed
+        handles = submit_all(engine, prompts, n, engine_options(body, top_logprobs) | {"seed": seed}, prompt_field)
+        watcher = cancel_on_disconnect(request, handles)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = server_sent_events(stream_chunks(shape, handles, n, include_usage), watcher, handles)
+            return StreamingResponse(events, media_type="text/event-stream")
+        try:
+            outputs = await asyncio.gather(*(collect(handle) for handle in handles))
+        finally:
+            watcher.cancel()
+            cancel(handles)
+        choices = [shape.choice(i, output, finish_reason(handle))
+                   for i, (output, handle) in enumerate(zip(outputs, handles))]
+        return shape.response(choices, usage(handles, n))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        shape = Completions(model_name, tokenizer, body.logprobs is not None)
+        return await respond(request, body, shape, completion_prompts(body.prompt), body.logprobs or 0, "prompt")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        shape = ChatCompletions(model_name, tokenizer, bool(body.logprobs))
+        top = (body.top_logprobs or 0) if body.logprobs else 0
+        return await respond(request, body, shape, [{"prompt": message_dicts(body.messages)}], top, "messages")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "linnet_jax", "max_model_len": engine.max_len}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def needs_tokenizer():
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send token ids instead of text")
+        return tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        field = "prompt" if body.messages is None else "messages"
+        try:
+            ids = (needs_tokenizer().encode(body.prompt, add_special_tokens=body.add_special_tokens)
+                   if body.messages is None else
+                   needs_tokenizer().apply_chat_template(message_dicts(body.messages), tokenize=True,
+                                                         add_generation_prompt=body.add_generation_prompt))
+        except BAD_INPUT as error:
+            raise engine_error(error, field) from error
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        try:
+            return {"prompt": needs_tokenizer().decode(body.tokens)}
+        except BAD_INPUT as error:
+            raise engine_error(error, "tokens") from error
+
+    return app
+
+
+def serve(app: FastAPI, engine: Engine, *, host: str, port: int, deadline: float) -> None:
+    """Serve `app` with uvicorn until SIGTERM or SIGINT; then stop admitting, give running requests `deadline`
+    seconds, cancel what is left, and return (without re-raising the signal)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                closer.start()
+            self.force_exit = self.should_exit and sig == signal.SIGINT  # a second Ctrl-C: now
+            self.should_exit = True
+
+    closer = threading.Thread(target=engine.close, args=(deadline,), name="linnet-jax-drain", daemon=True)
+    config = uvicorn.Config(app, host=host, port=port, lifespan="off", timeout_graceful_shutdown=deadline + 5)
+    DrainingServer(config).run()
+    if closer.is_alive() or closer.ident is not None:
+        closer.join()
+    else:
+        engine.close()

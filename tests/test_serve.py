@@ -1,0 +1,458 @@
+"""The OpenAI-compatible server (`linnet_jax.serve.app`, `linnet-jax serve`) against live servers on 127.0.0.1.
+
+Most servers run in-process (uvicorn in a thread, on a socket bound to a free port); the shutdown test runs
+`linnet-jax serve` as a subprocess. Parity with `generate()` runs on SmolLM2 through the official `openai`
+client; concurrency, the fuzz and the error cases run on a tiny random llama with SmolLM2's tokenizer.
+"""
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import transformers
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import linnet_jax
+from linnet_jax import generate
+from linnet_jax.serve import Engine
+from linnet_jax.serve.app import create_app, field_path
+from tests.conftest import TINY
+
+MODEL = "test-model"
+WORDS = "the sea a cat ran over blue hills while seven quiet birds sang of rain and bread".split()
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_dir(smollm2, tmp_path_factory):
+    """A random tiny llama with SmolLM2's vocabulary, tokenizer and special ids, saved as an HF directory."""
+    config = transformers.LlamaConfig(**TINY | dict(vocab_size=smollm2.config.vocab_size, num_key_value_heads=2,
+                                                    bos_token_id=smollm2.config.bos_token_id,
+                                                    eos_token_id=list(smollm2.config.eos_token_ids)))
+    directory = tmp_path_factory.mktemp("tiny_chat")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    smollm2.tokenizer.save(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tiny_chat_dir):
+    return linnet_jax.load(tiny_chat_dir, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_chat):
+    with Engine(tiny_chat, slots=8, max_len=256) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_engine):
+    with serving(tiny_engine) as url:
+        yield url
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@contextlib.contextmanager
+def serving(engine: Engine, api_key: str | None = None):
+    """The app on `engine`, served by uvicorn in a thread on a free port: yields its base URL."""
+    app = create_app(engine, model_name=MODEL, api_key=api_key)
+    sock = free_socket()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def client(url: str, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def metric(url: str, name: str) -> float:
+    """The value of one unlabelled Prometheus sample from /metrics."""
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not in /metrics")
+
+
+def wait_for(condition, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+# --- parity with generate() on SmolLM2, through the official client ------------------------------------------
+
+def test_openai_client_matches_generate_on_smollm2(smollm2):
+    prompts = ["The capital of France is", "Once upon a time, a fox"]
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    texts = generate(smollm2, prompts, 16, chat=False, return_details=True)
+    reply = generate(smollm2, conversation, 16, return_details=True)
+    prompt_tokens = [len(smollm2.tokenizer.encode(p, add_special_tokens=True)) for p in prompts]
+    chat_tokens = len(smollm2.tokenizer.apply_chat_template(conversation, tokenize=True))
+    with Engine(smollm2, slots=4, max_len=128) as engine, serving(engine) as url:
+        api = client(url)
+        whole = api.completions.create(model=MODEL, prompt=prompts, max_tokens=16, temperature=0)
+        assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == [t.text for t in texts]
+        assert whole.usage.prompt_tokens == sum(prompt_tokens)
+        assert whole.usage.completion_tokens == sum(len(t.tokens) for t in texts)
+        assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+        assert [c.finish_reason for c in whole.choices] == ["length" if t.stop_reason == "length" else "stop"
+                                                           for t in texts]
+
+        chunks = list(api.completions.create(model=MODEL, prompt=prompts[0], max_tokens=16, temperature=0,
+                                             stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == texts[0].text
+        assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == prompt_tokens[0]
+        assert chunks[-1].usage.completion_tokens == len(texts[0].tokens)
+
+        answer = api.chat.completions.create(model=MODEL, messages=conversation, max_tokens=16, temperature=0)
+        assert answer.choices[0].message.role == "assistant"
+        assert answer.choices[0].message.content == reply.text
+        assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (chat_tokens, len(reply.tokens))
+
+        chunks = list(api.chat.completions.create(model=MODEL, messages=conversation, max_tokens=16, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True}))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert deltas[0].role == "assistant" and deltas[0].content, "the role travels with the first token"
+        assert "".join(d.content or "" for d in deltas) == reply.text
+        assert chunks[-1].usage.completion_tokens == len(reply.tokens)
+        assert engine.stats()["busy_slots"] == 0
+
+
+# --- concurrency ----------------------------------------------------------------------------------------------
+
+def mixed_requests(count: int) -> list[dict]:
+    """Requests of mixed prompt lengths, max_tokens and sampling: greedy, seeded, and unseeded sampling."""
+    rng = random.Random(0)
+    requests = []
+    for i in range(count):
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 90)))
+        sampling = [dict(temperature=0.0),
+                    dict(temperature=0.9, top_p=0.9, top_k=50, min_p=0.02, repetition_penalty=1.1, seed=1000 + i),
+                    dict(temperature=1.0)][i % 3]
+        requests.append(dict(prompt=prompt, max_tokens=rng.randint(1, 48), **sampling))
+    return requests
+
+
+async def stream_completion(api: openai.AsyncOpenAI, request: dict) -> tuple[str, str]:
+    extra = {k: request[k] for k in ("top_k", "min_p", "repetition_penalty") if k in request}
+    stream = await api.completions.create(
+        model=MODEL, prompt=request["prompt"], max_tokens=request["max_tokens"], stream=True,
+        temperature=request["temperature"], top_p=request.get("top_p", 1.0), seed=request.get("seed"),
+        extra_body=extra | {"ignore_eos": True})
+    text, finish = "", None
+    async for chunk in stream:
+        text += chunk.choices[0].text
+        finish = chunk.choices[0].finish_reason or finish
+    return text, finish
+
+
+def test_32_concurrent_streams_through_8_slots_equal_generate(tiny_chat, tiny_engine, tiny_server):
+    requests = mixed_requests(32)
+
+    async def run_all():
+        api = openai.AsyncOpenAI(base_url=f"{tiny_server}/v1", api_key="none", max_retries=0, timeout=300)
+        return await asyncio.gather(*(stream_completion(api, request) for request in requests))
+
+    results = asyncio.run(run_all())
+    assert all(finish == "length" for _, finish in results)
+    checked = [(i, r) for i, r in enumerate(requests) if r["temperature"] == 0 or "seed" in r]
+    expected = generate(  # one batch: each row's result is what its prompt gives alone
+        tiny_chat, [r["prompt"] for _, r in checked], max(r["max_tokens"] for _, r in checked), chat=False,
+        temperature=[r["temperature"] for _, r in checked], top_p=[r.get("top_p", 1.0) for _, r in checked],
+        top_k=[r.get("top_k", 0) for _, r in checked], min_p=[r.get("min_p", 0.0) for _, r in checked],
+        repetition_penalty=[r.get("repetition_penalty", 1.0) for _, r in checked],
+        seed=[r.get("seed", 0) for _, r in checked], ignore_eos=True, return_details=True)
+    for (i, request), details in zip(checked, expected):
+        assert results[i][0] == tiny_chat.tokenizer.decode(details.tokens[:request["max_tokens"]]), request
+    assert all(text for text, _ in results)
+    assert wait_for(lambda: tiny_engine.stats()["busy_slots"] == 0)
+
+
+def test_n_choices_are_the_streams_of_one_seed(tiny_chat, tiny_server):
+    prompt, n = "seven quiet birds", 3
+    rows = generate(tiny_chat, [prompt] * n, 10, chat=False, temperature=0.8, seed=42, ignore_eos=True)
+    answer = httpx.post(f"{tiny_server}/v1/completions", timeout=120, json=dict(
+        model=MODEL, prompt=prompt, n=n, max_tokens=10, temperature=0.8, seed=42, ignore_eos=True)).json()
+    assert [c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])] == rows
+    assert answer["usage"]["completion_tokens"] == 3 * 10
+
+
+def test_logprobs_in_each_endpoints_shape(tiny_chat, tiny_server):
+    details = generate(tiny_chat, "the sea", 5, chat=False, return_details=True, ignore_eos=True)
+    body = dict(model=MODEL, prompt="the sea", max_tokens=5, temperature=0, ignore_eos=True, logprobs=2)
+    logprobs = httpx.post(f"{tiny_server}/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+    assert logprobs["token_logprobs"] == pytest.approx(details.logprobs, abs=1e-4)
+    assert logprobs["tokens"] == [tiny_chat.tokenizer.decode([t], skip_special_tokens=False) for t in details.tokens]
+    assert all(len(top) == 2 for top in logprobs["top_logprobs"]) and len(logprobs["text_offset"]) == 5
+
+    chat = client(tiny_server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=3, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(entry.top_logprobs) == 3 for entry in content)
+    assert all(entry.top_logprobs[0].logprob >= entry.logprob - 1e-5 for entry in content), "greedy picks the top"
+
+
+def test_tokenize_detokenize_models_health(tiny_chat, tiny_server):
+    ids = httpx.post(f"{tiny_server}/tokenize", json={"prompt": "the sea"}).json()
+    assert ids["tokens"] == tiny_chat.tokenizer.encode("the sea", add_special_tokens=True)
+    assert ids["count"] == len(ids["tokens"]) and ids["max_model_len"] == 256
+    chat = httpx.post(f"{tiny_server}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == tiny_chat.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True)
+    assert httpx.post(f"{tiny_server}/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"] == "the sea"
+    assert [m.id for m in client(tiny_server).models.list()] == [MODEL]
+    assert httpx.get(f"{tiny_server}/health").json() == {"status": "ok"}
+
+
+# --- errors ---------------------------------------------------------------------------------------------------
+
+BAD_REQUESTS = [  # (path, body, status, param)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", [1, 2], 400, None),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**12}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "stream": 1}, 400, "stream"),
+    ("/v1/completions", {"prompt": " ".join(WORDS * 40)}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], []]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"prompt": "hi", "n": 9}, 400, "n"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 3}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-3]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, 400, "seed"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
+     400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+     400, "functions"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1},
+     400, "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/nowhere", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors_naming_the_field(tiny_server, path, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body)
+    response = httpx.post(f"{tiny_server}{path}", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param, error
+
+
+def test_user_neutral_values_and_unknown_fields_are_accepted(tiny_server):
+    body = dict(model=MODEL, prompt="hi", max_tokens=2, user="someone", presence_penalty=0, best_of=1,
+                response_format={"type": "text"}, some_vendor_field={"x": 1}, top_k=-1)
+    response = httpx.post(f"{tiny_server}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_field_path_drops_union_member_tags():
+    assert field_path(["messages", 0, "content", "str"]) == "messages[0].content"
+    assert field_path(["prompt", "list[int]", 0]) == "prompt"
+    assert field_path([]) is None
+
+
+# --- the fuzz -------------------------------------------------------------------------------------------------
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+                           | st.text(max_size=8), lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=6)
+FIELDS = {
+    "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 60000), max_size=5) | st.lists(st.text(max_size=8),
+                                                                                               max_size=3),
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
+                                                "content": st.text(max_size=20) | JSON_VALUES}), max_size=3),
+    "max_tokens": st.integers(-3, 300) | JSON_VALUES, "temperature": st.floats(-1, 3) | JSON_VALUES,
+    "top_p": st.floats(-0.5, 1.5), "top_k": st.integers(-2, 100), "min_p": st.floats(-0.1, 1.1),
+    "repetition_penalty": st.floats(-1, 3), "seed": st.integers(-2**64, 2**64), "n": st.integers(-1, 10),
+    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3), "logprobs": st.integers(-1, 25) |
+    st.booleans(), "top_logprobs": st.integers(-1, 25), "stream": st.booleans(), "ignore_eos": st.booleans(),
+    "stop_token_ids": st.lists(st.integers(-2, 60000), max_size=3), "model": st.sampled_from([MODEL, "other"]),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}), "presence_penalty": st.floats(-2, 2),
+    "tokens": st.lists(st.integers(-5, 60000), max_size=5), "user": JSON_VALUES, "anything": JSON_VALUES,
+}
+BODIES = st.dictionaries(st.sampled_from(sorted(FIELDS)), st.none(), max_size=8).flatmap(
+    lambda keys: st.fixed_dictionaries({key: FIELDS[key] for key in keys}))
+PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(path=PATHS, body=BODIES | JSON_VALUES, raw=st.booleans())
+def test_fuzz_never_gets_a_5xx(tiny_server, path, body, raw):
+    content = json.dumps(body)[:-1] if raw else json.dumps(body)  # raw: cut off, not JSON
+    response = httpx.post(f"{tiny_server}{path}", content=content, timeout=120,
+                          headers={"content-type": "application/json"})
+    assert response.status_code < 500, (response.status_code, response.text)
+    if response.status_code >= 400:
+        assert response.json()["error"]["message"]
+    assert httpx.get(f"{tiny_server}/health").status_code == 200
+
+
+def test_still_serving_after_the_fuzz(tiny_server):
+    answer = client(tiny_server).completions.create(model=MODEL, prompt="the sea", max_tokens=3, temperature=0)
+    assert answer.choices[0].finish_reason in ("length", "stop")
+
+
+# --- cancellation, queue, keys --------------------------------------------------------------------------------
+
+LONG = dict(model=MODEL, prompt="the sea", max_tokens=240, ignore_eos=True, temperature=0)
+
+
+def test_disconnect_mid_stream_frees_the_slot(tiny_server):
+    before = metric(tiny_server, "linnet_jax_generated_tokens_total")
+    with httpx.stream("POST", f"{tiny_server}/v1/completions", json=LONG | {"stream": True}, timeout=60) as response:
+        first = next(response.iter_lines())
+        assert first.startswith("data: ")
+        assert metric(tiny_server, "linnet_jax_busy_slots") >= 0
+    assert wait_for(lambda: metric(tiny_server, "linnet_jax_busy_slots") == 0, 5)
+    assert metric(tiny_server, "linnet_jax_generated_tokens_total") - before < 240, "cancelled, not run to the end"
+
+
+def test_cancelled_non_streamed_request_frees_the_slot(tiny_server):
+    before = metric(tiny_server, "linnet_jax_generated_tokens_total")
+    finished = metric(tiny_server, "linnet_jax_requests_finished_total")
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{tiny_server}/v1/completions", json=LONG, timeout=httpx.Timeout(5, read=0.05))
+    assert wait_for(lambda: metric(tiny_server, "linnet_jax_requests_finished_total") == finished + 1, 5)
+    assert metric(tiny_server, "linnet_jax_busy_slots") == 0
+    assert metric(tiny_server, "linnet_jax_generated_tokens_total") - before < 240, "cancelled, not run to the end"
+
+
+def test_metrics_report_the_engine(tiny_server):
+    text = httpx.get(f"{tiny_server}/metrics").text
+    for name in ("linnet_jax_requests_running", "linnet_jax_requests_queued", "linnet_jax_busy_slots",
+                 "linnet_jax_generated_tokens_total", "linnet_jax_time_to_first_token_seconds_bucket",
+                 "linnet_jax_time_per_output_token_seconds_count"):
+        assert name in text
+    assert metric(tiny_server, "linnet_jax_time_to_first_token_seconds_count") > 0
+
+
+def test_queue_full_is_429_with_retry_after(tiny_chat):
+    with Engine(tiny_chat, slots=1, max_len=64, max_queue=1) as engine, serving(engine) as url:
+        running = engine.submit(tokens=[1, 2, 3], max_tokens=60, ignore_eos=True)
+        assert wait_for(lambda: engine.stats()["busy_slots"] == 1 or running.done)
+        queued = engine.submit(tokens=[1, 2, 3], max_tokens=60, ignore_eos=True)
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        if not queued.done:  # the queued one did not run out of the queue meanwhile
+            assert response.status_code == 429, response.text
+            assert response.headers["retry-after"] == "1" and response.json()["error"]["code"] == "queue_full"
+        queued.cancel(), running.cancel()
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_api_key_is_needed_everywhere_but_health(tiny_engine):
+    with serving(tiny_engine, api_key="s3cret") as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+            response = httpx.get(f"{url}/v1/models", headers=headers)
+            assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code == 401
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            client(url, "wrong").models.list()
+        assert [m.id for m in client(url, "s3cret").models.list()] == [MODEL]
+
+
+# --- the command ----------------------------------------------------------------------------------------------
+
+def test_serve_flags_are_refused_before_loading():
+    for flags in (["--slots", "0"], ["--port", "70000"], ["--max-len", "x"]):
+        result = subprocess.run([sys.executable, "-m", "linnet_jax", "serve", *flags], capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 2, result.stderr
+
+
+def test_sigterm_with_requests_in_flight_exits_cleanly(tiny_chat_dir):
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "linnet_jax", "serve", "--model", str(tiny_chat_dir), "--port", str(port), "--slots",
+         "2", "--max-len", "256", "--shutdown-deadline", "1", "--no-compilation-cache"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_for(lambda: server.poll() is None and reachable(url), 180), "the server did not come up"
+        outcomes = []
+
+        def stream():
+            with httpx.stream("POST", f"{url}/v1/completions", json=LONG | {"max_tokens": 250, "stream": True},
+                              timeout=60) as response:
+                outcomes.append([line for line in response.iter_lines() if line])
+
+        threads = [threading.Thread(target=stream) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        assert wait_for(lambda: metric(url, "linnet_jax_busy_slots") == 2)
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0, server.stdout.read()
+        for thread in threads:
+            thread.join(30)
+        assert len(outcomes) == 3 and all(lines[-1] == "data: [DONE]" for lines in outcomes)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server.pid, 0)  # no process of its group is left
+
+
+def reachable(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
