@@ -171,9 +171,13 @@ class LinnetServed(Server):
     name, label = "linnet_jax_served", "linnet_jax served (`linnet-jax serve`)"
 
     def missing(self) -> str | None:
+        import importlib.util
+
         done = subprocess.run([sys.executable, "-m", "linnet_jax", "serve", "--help"], capture_output=True)
         if done.returncode:
-            return "this linnet_jax has no `linnet-jax serve` (the server of issue 10); pip install -e '.[serve]'"
+            return "this linnet_jax has no `linnet-jax serve` (issue 10's server); update linnet_jax"
+        if absent := [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]:
+            return f"the server's packages are missing: pip install {' '.join(absent).replace('_', '-')}"
         return None
 
     def command(self, port: int) -> list[str]:
@@ -607,8 +611,10 @@ def measure(args: argparse.Namespace, scratch: Path) -> list[Row]:
     rows = []
     for name in args.systems:
         print(f"[{name}] running", file=sys.stderr)
+        load = os.getloadavg()[0]  # the machine is shared: say how busy it was
         row = (measure_server(SERVERS[name](args, hf_dir), args, prompts, reference, scratch) if name in SERVERS
                else measure_offline(name, args, hf_dir))
+        row.notes.append(f"load average (1 min) at its start {load:.1f}, at its end {os.getloadavg()[0]:.1f}")
         print(f"[{name}] {row.error or f'{row.tok_s:.1f} tok/s'}", file=sys.stderr)
         rows.append(row)
     return rows
