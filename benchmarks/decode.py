@@ -626,13 +626,14 @@ def report(results: list[Measured], args: argparse.Namespace, command: str) -> s
     ])
 
 
-def write_results(section: str, path: Path = RESULTS) -> None:
+def write_results(section: str, path: Path = RESULTS, marks: tuple[str, str] = (MARK_START, MARK_END)) -> None:
     """Replace the text between the markers (adding them at the end if absent), keeping the rest of the file."""
-    block = f"{MARK_START}\n{section}\n{MARK_END}"
+    mark_start, mark_end = marks
+    block = f"{mark_start}\n{section}\n{mark_end}"
     text = path.read_text() if path.exists() else "# Benchmark results\n"
-    start, end = text.find(MARK_START), text.find(MARK_END)
+    start, end = text.find(mark_start), text.find(mark_end)
     if start >= 0 and end > start:
-        text = text[:start] + block + text[end + len(MARK_END):]
+        text = text[:start] + block + text[end + len(mark_end):]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)

@@ -364,15 +364,19 @@ class Engine:
         return [list(zip(row_ids[:k].tolist(), row_logprobs[:k].tolist())) for row_ids, row_logprobs in zip(ids, logprobs)]
 
     def _deliver(self, slot: int, tokens: list[int], logprobs: list[float], top: list) -> None:
-        """A slot's new tokens to its request; the request finished when its row did or a stop string appeared."""
+        """A slot's new tokens to its request; the request finished when its row did or a stop string appeared.
+        A stop id that finished the row never reaches the request's stream."""
         work = self.owners[slot]
         self.counters["tokens_generated"] += len(tokens)
-        work.handle._update(tokens, logprobs, top)
         finish, tokenizer = int(host(self.state.finish)[slot]), self.model.tokenizer
+        stop_id = tokens[-1] if finish == STOP_ID else None
+        if stop_id is not None:
+            tokens, logprobs, top = tokens[:-1], logprobs[:-1], top[:-1]
+        work.handle._update(tokens, logprobs, top)
         if work.stops and cut_at_stop(tokenizer.decode(work.handle.tokens), work.stops) is not None:
             self._vacate(slot, "length")  # finish_row finds the stop string and says "stop"
-        elif finish == STOP_ID:
-            self._vacate(slot, "stop_id")
+        elif stop_id is not None:
+            self._vacate(slot, "eos" if stop_id in eos_ids(self.model) else "stop")
         elif finish != RUNNING:
             self._vacate(slot, "length")
 
@@ -383,14 +387,10 @@ class Engine:
         self._finish(work, reason)
 
     def _finish(self, work: Work, reason: str) -> None:
-        """The request's Generation, as generate makes it: the stop id dropped ("eos" for one of the model's eos
-        ids, else "stop"), the text cut at a stop string. reason: "stop_id", "length" or "cancelled"."""
+        """The request's Generation, as generate makes it: the text cut at a stop string. reason: "eos", "stop"
+        (a stop id), "length" or "cancelled"."""
         handle = work.handle
-        tokens, logprobs = list(handle.tokens), list(handle.logprobs)
-        if reason == "stop_id":
-            reason = "eos" if tokens[-1] in eos_ids(self.model) else "stop"
-            tokens, logprobs = tokens[:-1], logprobs[:-1]
-        generation = finish_row(self.model.tokenizer, tokens, reason, logprobs, work.stops)
+        generation = finish_row(self.model.tokenizer, list(handle.tokens), reason, list(handle.logprobs), work.stops)
         self.counters["requests_finished"] += 1
         handle._update([], [], [], generation)
         for hook in self.on_finish:

