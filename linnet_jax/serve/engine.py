@@ -234,10 +234,8 @@ class Engine:
                 or not 0 <= top_logprobs <= TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be an int in [0, {TOP_LOGPROBS}], got {top_logprobs!r}")
         seed = secrets.randbits(63) if seed is None else seed
-        sampling = make_sampling(1, temperature, top_k, top_p, min_p, repetition_penalty, seed)
-        if choice:
-            sampling = make_sampling(choice + 1, temperature, top_k, top_p, min_p, repetition_penalty, seed)
-            sampling = jax.tree.map(lambda column: column[choice:choice + 1], sampling)
+        rows = make_sampling(choice + 1, temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        sampling = jax.tree.map(lambda column: column[choice:choice + 1], rows)  # row `choice`: stream `choice`
         request = make_requests(sampling, stop_id_array(self.model, stop_token_ids, ignore_eos), max_tokens)
         work = Work(prompt=ids, request=request, stops=stops, top_logprobs=int(top_logprobs),
                     handle=Handle(self, len(ids), stops))
@@ -338,8 +336,12 @@ class Engine:
             self.state = insert(prefix, self.state, slot)
             with self._wake:
                 self.owners[slot] = work
-            top = self._top(work, host(self.state.top_ids)[slot][None], host(self.state.top_logprobs)[slot][None])
-            self._deliver(slot, [int(host(self.state.token)[slot])], [float(host(self.state.logprob)[slot])], top)
+            row = jax.tree.map(lambda column: host(column)[slot], (self.state.token, self.state.logprob,
+                                                                   self.state.top_ids, self.state.top_logprobs,
+                                                                   self.state.finish))
+            token, logprob, top_ids, top_logprobs, finish = row
+            self._deliver(slot, [int(token)], [float(logprob)], self._top(work, top_ids[None], top_logprobs[None]),
+                          int(finish))
 
     def _dispatch(self) -> None:
         """steps_per_dispatch decode steps over every busy slot; hand out the tokens."""
@@ -348,12 +350,14 @@ class Engine:
         self.state, emitted = decode(model.decode_params, model.config, self.state, np.int32(self.steps), self.steps,
                                      model.layout and model.layout.constrain, top)
         tokens, logprobs, counts = host(emitted.tokens), host(emitted.logprobs), host(emitted.count)
+        finish = host(self.state.finish)
         top_ids, top_logprobs = (host(emitted.top_ids), host(emitted.top_logprobs)) if top else (None, None)
         for slot, work in enumerate(self.owners):
             if work is not None and counts[slot]:
                 n = counts[slot]
                 alternatives = self._top(work, top_ids[slot, :n], top_logprobs[slot, :n]) if top else []
-                self._deliver(slot, tokens[slot, :n].tolist(), logprobs[slot, :n].tolist(), alternatives)
+                self._deliver(slot, tokens[slot, :n].tolist(), logprobs[slot, :n].tolist(), alternatives,
+                              int(finish[slot]))
 
     @staticmethod
     def _top(work: Work, ids: np.ndarray, logprobs: np.ndarray) -> list[list[tuple[int, float]]]:
@@ -363,12 +367,12 @@ class Engine:
         k = work.top_logprobs
         return [list(zip(row_ids[:k].tolist(), row_logprobs[:k].tolist())) for row_ids, row_logprobs in zip(ids, logprobs)]
 
-    def _deliver(self, slot: int, tokens: list[int], logprobs: list[float], top: list) -> None:
-        """A slot's new tokens to its request; the request finished when its row did or a stop string appeared.
-        A stop id that finished the row never reaches the request's stream."""
+    def _deliver(self, slot: int, tokens: list[int], logprobs: list[float], top: list, finish: int) -> None:
+        """A slot's new tokens to its request (finish: its row's finish state after them); the request finished
+        when its row did or a stop string appeared. A stop id that finished the row never reaches the stream."""
         work = self.owners[slot]
         self.counters["tokens_generated"] += len(tokens)
-        finish, tokenizer = int(host(self.state.finish)[slot]), self.model.tokenizer
+        tokenizer = self.model.tokenizer
         stop_id = tokens[-1] if finish == STOP_ID else None
         if stop_id is not None:
             tokens, logprobs, top = tokens[:-1], logprobs[:-1], top[:-1]
