@@ -449,7 +449,7 @@ def test_sigterm_with_requests_in_flight_exits_cleanly(tiny_chat_dir):
     sock.close()
     server = subprocess.Popen(
         [sys.executable, "-m", "linnet_jax", "serve", "--model", str(tiny_chat_dir), "--port", str(port), "--slots",
-         "2", "--max-len", "512", "--shutdown-deadline", "1", "--no-compilation-cache"],
+         "2", "--max-len", "4096", "--shutdown-deadline", "1", "--no-compilation-cache"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -457,14 +457,15 @@ def test_sigterm_with_requests_in_flight_exits_cleanly(tiny_chat_dir):
         outcomes, streaming = [], threading.Semaphore(0)
 
         def stream():
-            with httpx.stream("POST", f"{url}/v1/completions", json=UNNAMED | {"max_tokens": 480, "stream": True},
+            with httpx.stream("POST", f"{url}/v1/completions", json=UNNAMED | {"max_tokens": 4000, "stream": True},
                               timeout=60) as response:
                 lines = response.iter_lines()
                 outcomes.append([next(lines)])
                 streaming.release()
                 outcomes[-1] += [line for line in lines if line]
 
-        threads = [threading.Thread(target=stream) for _ in range(3)]  # two run, one waits in the queue
+        # two run, one waits in the queue; 4000 steps each outlast the 1 s deadline even on a fast machine
+        threads = [threading.Thread(target=stream) for _ in range(3)]
         for thread in threads:
             thread.start()
         assert streaming.acquire(timeout=60) and streaming.acquire(timeout=60), "two requests are streaming"
