@@ -1,6 +1,7 @@
 """GGUF (llama.cpp's file format) to and from transformers-named float32 state dicts.
 
     read_gguf(path)                      -> (hf_config, state, metadata)
+    open_gguf(path)                      -> (hf_config, tensors read on access, metadata)
     write_gguf(path, hf_config, state)   -> path
 
 `state` maps transformers tensor names to float32 numpy arrays in transformers' shapes:
@@ -30,12 +31,13 @@ from __future__ import annotations
 
 import pathlib
 import re
+from collections.abc import Mapping
 
 import gguf
 import numpy as np
 from tqdm import tqdm  # the text bar: tqdm.auto needs ipywidgets in notebooks
 
-__all__ = ["read_gguf", "write_gguf", "ARCHITECTURES", "READABLE_TYPES", "WRITABLE_TYPES"]
+__all__ = ["read_gguf", "open_gguf", "write_gguf", "ARCHITECTURES", "READABLE_TYPES", "WRITABLE_TYPES"]
 
 # GGUF `general.architecture` -> transformers model class.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -202,6 +204,35 @@ def read_gguf(path, *, progress: bool = True) -> tuple[dict, dict[str, np.ndarra
     Raises FileNotFoundError for a missing file, ValueError naming the file for a file that is not
     GGUF or is truncated, an unsupported architecture, quant type or tensor, or a missing key.
     """
+    hf_config, tensors, metadata = open_gguf(path)
+    names = tqdm(tensors, desc=f"Reading {pathlib.Path(path).name}", unit="tensor", disable=not progress)
+    return hf_config, {name: tensors[name] for name in names}, metadata
+
+
+class GGUFTensors(Mapping):
+    """A GGUF file's tensors by transformers name, each dequantized to float32 (a fresh array, nothing
+    keeping the memmap open) only when it is read: a loader holds one tensor at a time, not the file."""
+
+    def __init__(self, tensors: dict, shapes: dict[str, tuple[int, ...]], hf_config: dict):
+        self._tensors, self._shapes, self._hf_config = tensors, shapes, hf_config
+
+    def __getitem__(self, hf_name: str) -> np.ndarray:
+        tensor = self._tensors[hf_name]
+        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(self._shapes[hf_name])
+        if (heads := _rope_heads(hf_name, self._hf_config)) is not None:
+            w = _split_rope_rows(w, heads)
+        return np.array(w, dtype=np.float32)
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def open_gguf(path) -> tuple[dict, GGUFTensors, dict]:
+    """`read_gguf` without reading the tensors: (hf_config, tensors dequantized on access, metadata).
+    The same checks and errors, all raised here."""
     path = pathlib.Path(path)
     reader, metadata = _open(path)
     arch = _architecture(metadata, path)
@@ -219,14 +250,7 @@ def read_gguf(path, *, progress: bool = True) -> tuple[dict, dict[str, np.ndarra
     if "model.embed_tokens.weight" not in shapes:
         raise ValueError(f"{path}: tensor 'token_embd.weight' is missing")
     hf_config = _hf_config(metadata, arch, shapes, path)
-
-    state = {}
-    for hf_name, tensor in tqdm(tensors.items(), desc=f"Reading {path.name}", unit="tensor", disable=not progress):
-        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shapes[hf_name])
-        if (heads := _rope_heads(hf_name, hf_config)) is not None:
-            w = _split_rope_rows(w, heads)
-        state[hf_name] = np.array(w, dtype=np.float32)  # a copy: nothing keeps the memmap open
-    return hf_config, state, metadata
+    return hf_config, GGUFTensors(tensors, shapes, hf_config), metadata
 
 
 def _add_metadata_value(writer: gguf.GGUFWriter, key: str, value) -> None:

@@ -186,10 +186,10 @@ def _load_hf_dir(directory: Path, dtype: str | None, progress: bool, layout: Lay
 
 
 def _load_gguf(path: Path, dtype: str | None, progress: bool, layout: Layout | None) -> Model:
-    from linnet_jax.gguf import read_gguf
+    from linnet_jax.gguf import open_gguf
     from linnet_jax.tokenizer import Tokenizer
 
-    hf_config, state, metadata = read_gguf(path, progress=progress)
+    hf_config, state, metadata = open_gguf(path)
     try:
         config = Config.from_hf(hf_config)
     except ValueError as error:

@@ -229,8 +229,8 @@ def put(array, sharding: NamedSharding) -> jax.Array:
 def placement(config: Config, dtype: str | None, layout: "Layout | None"):
     """convert(flat name, numpy array) -> device array: cast to dtype (None: as stored), on one device or,
     with a layout, straight onto its mesh, each device receiving its own shard."""
-    if layout is None:
-        return lambda name, array: jnp.asarray(array, dtype=dtype or array.dtype)
+    if layout is None:  # may_alias: XLA:CPU adopts an aligned host array (models.params.aligned_empty) uncopied
+        return lambda name, array: jax.device_put(np.asarray(array, dtype=dtype or array.dtype), may_alias=True)
     shardings = layout.param_shardings(config)
     return lambda name, array: put(np.asarray(array, dtype=dtype or array.dtype), shardings[name])
 

@@ -20,6 +20,9 @@ import numpy as np
 from linnet_jax.models.config import Config
 
 
+HOST_ALIGNMENT = 64  # bytes: what XLA:CPU needs to use a host buffer in place
+
+
 def weight(axes: tuple[str, ...], hf_name: str, inputs: int | None = None, when: str | None = None):
     """A weight field: logical axes (a layer weight's without "layers"), transformers name (a layer's
     inside `model.layers.{i}.`), how many leading axes are the projection's input (None: a vector,
@@ -136,7 +139,8 @@ def params_from_hf(
 
     read(name) returns one tensor (raising a clear error when absent); convert(our flat name,
     array) turns each of our stacked numpy arrays into a device array (dtype cast, placement);
-    on_tensor reports progress.
+    on_tensor reports progress. Each of our arrays is filled in place in a fresh aligned host buffer
+    (`aligned_empty`), one transformers tensor at a time, so that XLA:CPU can adopt it uncopied.
     """
     shapes = flatten_params(param_shapes(config))
     top, layers = declared(Params), declared(LayerParams)
@@ -144,16 +148,35 @@ def params_from_hf(
     def tensor(name: str) -> np.ndarray:
         if not name.startswith("layers."):
             on_tensor(top[name]["hf_name"])
-            return checked(top[name]["hf_name"], read(top[name]["hf_name"]), shapes[name])
+            return host_copy(checked(top[name]["hf_name"], read(top[name]["hf_name"]), shapes[name]))
         field = layers[name.removeprefix("layers.")]
-        stacked = []
+        stacked = None
         for i in range(config.num_layers):
             hf_name = f"model.layers.{i}.{field['hf_name']}"
             on_tensor(hf_name)
-            stacked.append(from_hf_layer_tensor(hf_name, read(hf_name), shapes[name][1:], field["inputs"]))
-        return np.stack(stacked)
+            layer = from_hf_layer_tensor(hf_name, read(hf_name), shapes[name][1:], field["inputs"])
+            stacked = aligned_empty(shapes[name], layer.dtype) if stacked is None else stacked
+            stacked[i] = layer
+        return stacked
 
     return unflatten_params({name: convert(name, tensor(name)) for name in shapes})
+
+
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised C-contiguous host array whose data starts on a 64-byte boundary: XLA:CPU adopts such
+    an array without copying it (`jax.device_put(array, may_alias=True)`), where numpy's own allocations
+    (16-byte aligned) are copied."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(math.prod(shape) * dtype.itemsize + HOST_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % HOST_ALIGNMENT
+    return raw[start:start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+
+
+def host_copy(array: np.ndarray) -> np.ndarray:
+    """`array` copied into an `aligned_empty` buffer."""
+    copy = aligned_empty(array.shape, array.dtype)
+    copy[...] = array
+    return copy
 
 
 def params_to_hf(params: Params, config: Config) -> dict[str, np.ndarray]:
