@@ -7,9 +7,11 @@ on-device while_loop) timed over --steps steps, with the weights as the platform
 (`models.params.unstacks_layers`) gives them: per-layer views (XLA:CPU's choice) or the stacked
 arrays sliced inside the program (GPUs' and TPUs'). The variants are interleaved run by run, and
 the median is reported. --profile lists the XLA ops of one decode call of each variant, summed by
-op name.
+op name. --products times each of a layer's matrix-vector products alone, read from memory as decode
+reads them (cycled through enough copies to miss every cache), with XLA:CPU's default kernels and with
+YNNPACK's (`compiler_options`), and how many cores each keeps busy (CPU time over wall time).
 
-    python benchmarks/profile_decode.py [--steps 64] [--runs 5] [--profile]
+    python benchmarks/profile_decode.py [--steps 64] [--runs 5] [--profile] [--products]
 """
 
 import argparse
@@ -17,6 +19,7 @@ import collections
 import gzip
 import json
 import re
+import resource
 import statistics
 import tempfile
 import time
@@ -31,6 +34,9 @@ from linnet_jax.generate import left_pad, make_requests, make_sampling, new_slot
 from linnet_jax.models.params import unstack_layers
 
 PROMPT, CACHE = 512, 1024
+PRODUCT_BYTES = 256e6  # each product is cycled through this many bytes of copies: none stays in a cache
+KERNELS = {"XLA:CPU default": None,
+           "YNNPACK dots": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}}
 
 
 def variants(model):
@@ -82,13 +88,61 @@ def op_times(model, params, steps, top=12):
     return [(op, us / steps / 1e3, counts[op] / steps) for op, us in totals.most_common(top)]
 
 
+def product_shapes(model) -> dict[str, tuple[int, int]]:
+    """Each decode product of one layer, and the lm head, as (inputs, outputs) of one matrix-vector product."""
+    config = model.config
+    d, h, g, k, f = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
+    return {"wq": (d, h * k), "wk, wv": (d, g * k), "wo": (h * k, d), "w_gate, w_up": (d, f), "w_down": (f, d),
+            "lm head (vd)": (d, config.vocab_size)}
+
+
+def product_time(inputs: int, outputs: int, options, head: bool) -> tuple[float, float]:
+    """(seconds per product, cores busy) of x[1, inputs] @ W over distinct copies of W, in one program.
+    W is [inputs, outputs] (our layers' layout) or [outputs, inputs] for the head."""
+    copies = max(2, int(PRODUCT_BYTES // (inputs * outputs * 4)))
+    shape = (outputs, inputs) if head else (inputs, outputs)
+    weights = [jax.numpy.full(shape, 0.01 * (i + 1), jax.numpy.float32) for i in range(copies)]
+    spec = "bi,oi->bo" if head else "bi,io->bo"
+
+    @jax.jit(compiler_options=options)
+    def chain(x, weights):
+        for w in weights:  # each product's input depends on the last: they run one after another
+            x = x.at[:, :1].add(jax.numpy.einsum(spec, x, w)[:, :1] * 1e-9)
+        return x
+
+    x = jax.numpy.ones((1, inputs), jax.numpy.float32)
+    jax.block_until_ready(chain(x, weights))
+    best = (float("inf"), 0.0)
+    for _ in range(5):
+        cpu, start = resource.getrusage(resource.RUSAGE_SELF).ru_utime, time.perf_counter()
+        jax.block_until_ready(chain(x, weights))
+        wall, cpu = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_utime - cpu
+        best = min(best, (wall / copies, cpu / wall))
+    return best
+
+
+def print_products(model):
+    print("\nmatrix-vector products alone, from memory (best of 5):")
+    print(f"  {'product':14s} {'shape':>12s} {'MB':>6s}  " + "  ".join(f"{name:>28s}" for name in KERNELS))
+    for name, (inputs, outputs) in product_shapes(model).items():
+        mb = inputs * outputs * 4 / 1e6
+        cells = []
+        for options in KERNELS.values():
+            seconds, cores = product_time(inputs, outputs, options, head=name.startswith("lm head"))
+            cells.append(f"{seconds * 1e6:7.0f} us {mb / 1e3 / seconds:5.1f} GB/s {cores:4.2f} cores")
+        print(f"  {name:14s} {f'{inputs}x{outputs}':>12s} {mb:6.2f}  " + "  ".join(f"{c:>28s}" for c in cells))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--products", action="store_true", help="time each product alone (and only that)")
     args = parser.parse_args()
     model = linnet_jax.load(progress=False)
+    if args.products:
+        return print_products(model)
     runs = variants(model)
     for params in runs.values():  # compile
         decode_seconds(model, params, args.steps)
