@@ -7,6 +7,7 @@ the median of 5 runs after 2 warm-ups, the systems interleaved run by run (A, B,
 
     python benchmarks/decode.py                    # the full protocol; rewrites RESULTS.md's table
     python benchmarks/decode.py --runs 1 --warmups 1 --new-tokens 8 --prompt-tokens 64 --no-write
+    python benchmarks/decode.py ... --json decode.json   # also the rows as JSON (benchmarks/page.py renders them)
 
 How it runs. Each system lives in its own worker process (this file, run with `--worker NAME`),
 so that its peak RSS is its own. A worker loads its model, reports the load time, then answers
@@ -34,7 +35,8 @@ logits only, so that row's distance covers the prompt's last position. A note li
 decode as a multiple of llama.cpp f32's.
 
 A new row is a `System` subclass registered with `@register("name")`: load, generate, logits (and `prepare`
-for untimed work before the load).
+for untimed work before the load; `requires` and `install` for a peer that may not be installed, which then is a
+row saying so and how to install it).
 """
 
 from __future__ import annotations
@@ -68,6 +70,15 @@ BASELINE = "linnet_jax"  # decode speed ratios are against this system
 WEIGHT_BYTES = 538e6  # SmolLM2-135M float32 weights read per decoded token, tied head included
 BANDWIDTH = 41e9  # bytes/s, this machine's measured read bandwidth (BENCHMARKS.md)
 TORCH_THREADS = 2
+TORCH_INSTALL = ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && "
+                 "pip install transformers==5.24.0")
+LLAMA_CPP_INSTALL = "pip install llama-cpp-python==0.3.16  # builds llama.cpp from source: about 13 minutes on 2 cores"
+
+
+def missing_modules(modules: tuple[str, ...], install: str) -> str | None:
+    """"not installed: ..." with the command that installs them, when any of `modules` cannot be imported; else None."""
+    absent = [m for m in modules if importlib.util.find_spec(m) is None]
+    return f"not installed (no {', '.join(absent)}): {install}" if absent else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,10 +89,17 @@ class System:
     """One row of the table. Subclasses import their libraries lazily, inside the worker."""
 
     label = ""  # the row's name in the table
+    requires: tuple[str, ...] = ()  # modules the row imports beyond linnet_jax's own
+    install = ""  # the command that installs them
 
     def __init__(self, model_path: Path, max_len: int):
         self.model_path = model_path
         self.max_len = max_len  # prompt + new tokens: the positions a run needs
+
+    @classmethod
+    def missing(cls) -> str | None:
+        """Why this row cannot run here ("not installed: ..." and how to install it), or None."""
+        return missing_modules(cls.requires, cls.install)
 
     def prepare(self) -> None:
         """Untimed work before `load` (an export); nothing by default."""
@@ -138,6 +156,7 @@ class TransformersEager(System):
     """transformers float32, eager attention, its default dynamic cache: the reference."""
 
     label = "transformers eager"
+    requires, install = ("torch", "transformers"), TORCH_INSTALL
     generate_options: dict = {}
 
     def load(self) -> None:
@@ -147,9 +166,9 @@ class TransformersEager(System):
         torch.set_num_threads(TORCH_THREADS)
         transformers.utils.logging.disable_progress_bar()
         self.torch = torch
+        source, options = pretrained_source(self.model_path)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            self.model_path.parent, gguf_file=self.model_path.name, dtype=torch.float32,
-            attn_implementation="eager").eval()
+            source, **options, dtype=torch.float32, attn_implementation="eager").eval()
 
     def generate(self, ids: np.ndarray, new_tokens: int) -> list[int]:
         prompt = self.torch.from_numpy(ids.astype(np.int64))[None]
@@ -163,6 +182,11 @@ class TransformersEager(System):
         prompt = self.torch.from_numpy(ids.astype(np.int64))[None]
         with self.torch.inference_mode():
             return self.model(prompt, use_cache=False).logits[0].float().numpy()
+
+
+def pretrained_source(path: Path) -> tuple[Path, dict]:
+    """transformers' from_pretrained arguments for an HF directory or a GGUF file: (directory, {gguf_file})."""
+    return (path, {}) if path.is_dir() else (path.parent, {"gguf_file": path.name})
 
 
 @register("transformers_compiled")
@@ -287,6 +311,7 @@ class LlamaCpp(Exported):
     """llama.cpp (llama-cpp-python) on `export.gguf`'s file: 2 threads, float32 KV cache, greedy via its sampler."""
 
     label = "llama.cpp on linnet_jax's GGUF (f32)"
+    requires, install = ("llama_cpp",), LLAMA_CPP_INSTALL
     export_format, export_name, export_options = "gguf", "model.gguf", {"dtype": "f32", "progress": False}
 
     def open(self, logits_all: bool):
@@ -416,12 +441,31 @@ class Measured:
     def ok(self) -> bool:
         return self.error is None
 
+    @property
+    def ttft(self) -> float | None:
+        """The median TTFT in seconds, None without a measured run."""
+        return statistics.median(self.ttft_s) if self.ttft_s else None
+
+    @property
+    def decode(self) -> float | None:
+        """The median decode tok/s, None without a measured run."""
+        return statistics.median(self.decode_tok_s) if self.decode_tok_s else None
+
+    def summary(self) -> dict:
+        """The row as JSON values: the medians and every per-run figure, without the generated tokens."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("tokens", "logits_path")}
+        return fields | {"ttft_median_s": self.ttft, "decode_median_tok_s": self.decode}
+
 
 class Worker:
     """A system's worker process and its measurements; a failure is recorded, never raised."""
 
     def __init__(self, name: str, args: argparse.Namespace, model_path: Path):
-        self.measured = Measured(name, SYSTEMS[name].label)
+        self.measured, self.process = Measured(name, SYSTEMS[name].label), None
+        if (why := SYSTEMS[name].missing()) is not None:
+            self.measured.error = why
+            print(f"[{name}] {why}", file=sys.stderr)
+            return
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", name,
                    "--model-path", str(model_path), "--prompt-tokens", str(args.prompt_tokens),
                    "--new-tokens", str(args.new_tokens)]
@@ -466,7 +510,7 @@ class Worker:
             m.tokens.append(reply["tokens"])
 
     def close(self) -> None:
-        if self.process.poll() is None:
+        if self.process is not None and self.process.poll() is None:
             try:
                 self.process.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
                 self.process.stdin.flush()
@@ -529,6 +573,11 @@ def fmt(value, pattern: str) -> str:
     return "–" if value is None else pattern.format(value)
 
 
+def no_figures(error: str | None, default: str) -> str:
+    """The cell of a row without figures: "not installed: ..." as it is, anything else as a failure."""
+    return error if error and error.startswith("not installed") else f"failed: {error or default}"
+
+
 def table(results: list[Measured], new_tokens: int) -> str:
     """The markdown table: one row per system, failures included."""
     baseline = next((m for m in results if m.name == BASELINE and m.decode_tok_s), None)
@@ -537,10 +586,10 @@ def table(results: list[Measured], new_tokens: int) -> str:
             "|---|---|---|---|---|---|---|---|---|---|"]
     for m in results:
         if not m.decode_tok_s:
-            cells = [f"failed: {m.error or 'no measured run'}"] + ["–"] * 8
+            cells = [no_figures(m.error, "no measured run")] + ["–"] * 8
         else:
-            ttft, decode = statistics.median(m.ttft_s), statistics.median(m.decode_tok_s)
-            ratio = decode / statistics.median(baseline.decode_tok_s) if baseline else None
+            ttft, decode = m.ttft, m.decode
+            ratio = decode / baseline.decode if baseline else None
             cells = [fmt(ttft * 1e3, "{:,.0f} ms"), fmt(decode, "{:.1f} tok/s"), fmt(ratio, "{:.2f}×"),
                      fmt(100 * decode * WEIGHT_BYTES / BANDWIDTH, "{:.0f}%"), fmt(m.load_s, "{:.2f} s"),
                      fmt(m.first_call_s, "{:.1f} s"), fmt(m.rss_gib, "{:.2f} GiB"),
@@ -551,7 +600,7 @@ def table(results: list[Measured], new_tokens: int) -> str:
 
 def native_vs_llama_cpp(results: list[Measured]) -> list[str]:
     """The line the Exports issue asks for: linnet_jax's native decode as a multiple of llama.cpp f32's."""
-    decode = {m.name: statistics.median(m.decode_tok_s) for m in results if m.decode_tok_s}
+    decode = {m.name: m.decode for m in results if m.decode_tok_s}
     if BASELINE not in decode or "llama_cpp_f32" not in decode:
         return []
     return [f"- linnet_jax native decode = {decode[BASELINE] / decode['llama_cpp_f32']:.2f}× llama.cpp f32 "
@@ -596,9 +645,26 @@ def code_version() -> str:
     return commit + (" with uncommitted changes" if git("status", "--porcelain") else "")
 
 
-def versions() -> str:
-    names = ["jax", "jaxlib", "torch", "transformers", "llama_cpp_python"]
-    return ", ".join(f"{n} {importlib.metadata.version(n)}" for n in names) + f", Python {platform.python_version()}"
+def versions(names: tuple[str, ...] = ("jax", "jaxlib", "torch", "transformers", "llama_cpp_python")) -> str:
+    """The installed versions of `names` ("not installed" for those absent) and Python's."""
+    def version(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+    return ", ".join(f"{n} {version(n)}" for n in names) + f", Python {platform.python_version()}"
+
+
+def write_json(path: Path, section: str, rows: list[dict], args: argparse.Namespace, command: str,
+               skip: tuple[str, ...] = ("json", "no_write", "worker")) -> None:
+    """A run's rows and how they were measured (where, when, the protocol's parameters, the command), as JSON:
+    what benchmarks/page.py renders. `skip`: the arguments that are not part of the protocol."""
+    protocol = {k: v for k, v in vars(args).items() if k not in skip}
+    payload = {"section": section, "command": command, "measured": datetime.datetime.now().isoformat("T", "minutes"),
+               "machine": machine(), "versions": versions(), "code_version": code_version(), "protocol": protocol,
+               "rows": rows}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, ensure_ascii=False, default=str) + "\n")
 
 
 def report(results: list[Measured], args: argparse.Namespace, command: str) -> str:
@@ -651,8 +717,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--systems", type=lambda s: s.split(","), default=list(SYSTEMS),
                         help=f"comma-separated, from {','.join(SYSTEMS)} (default: all)")
     parser.add_argument("--no-write", action="store_true", help=f"print the table only; leave {RESULTS.name} alone")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON to PATH")
+    parser.add_argument("--model-path", type=Path, help="a GGUF file or HF directory (default: SmolLM2's GGUF)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run as a system's worker
-    parser.add_argument("--model-path", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
@@ -671,10 +738,12 @@ def main(argv: list[str]) -> None:
 
     command = " ".join(["python benchmarks/decode.py", *map(shlex.quote, argv)])
     with tempfile.TemporaryDirectory(prefix="decode-bench-") as scratch:
-        results = measure(args, default_model_path(), Path(scratch))
+        results = measure(args, args.model_path or default_model_path(), Path(scratch))
         compare_to_reference(results)
     section = report(results, args, command)
     print(section)
+    if args.json:
+        write_json(args.json, "decode", [m.summary() for m in results], args, command)
     if not args.no_write:
         write_results(section)
         print(f"\nwritten to {RESULTS}", file=sys.stderr)

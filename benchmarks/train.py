@@ -10,22 +10,28 @@ Each row runs in its own process (so peak RSS is its own): warm-up steps (compil
 median step time of the timed ones. tokens/s = batch × seq_len / step time. The first step's loss of each row is
 compared with transformers' on the same weights and batch (|Δloss|, the distance from the reference). Prints a
 markdown table and rewrites the block between `<!-- train-table:start -->` and `<!-- train-table:end -->` in
-RESULTS.md (--no-write only prints).
+RESULTS.md (--no-write only prints; --json PATH also writes the rows as JSON, which benchmarks/page.py renders).
+A row whose packages are missing says so and how to install them; a row that fails says so with its error's last
+line.
 """
 
 import argparse
 import json
 import re
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from decode import TORCH_INSTALL, missing_modules, pretrained_source, write_json
+
 ROWS = ("linnet_jax full", "transformers full", "linnet_jax LoRA r=8", "transformers LoRA r=8")
 RESULTS = Path(__file__).with_name("RESULTS.md")
 LR = 1e-5
+PEFT_INSTALL = "pip install peft==0.21.2"
 
 
 def batch(vocab: int, rows: int, length: int):
@@ -42,7 +48,7 @@ def linnet_jax_steps(lora: bool, args) -> tuple[list[float], float]:
     import linnet_jax
     from linnet_jax import train
 
-    model = linnet_jax.load(progress=False)
+    model = linnet_jax.load(args.model_path, progress=False)
     config = train.LoraConfig(rank=8, alpha=16) if lora else None
     optimizer = train.optimizer(LR, clip=None)
     state = train.init_state(model, optimizer, lora=config)
@@ -66,8 +72,8 @@ def transformers_steps(lora: bool, args) -> tuple[list[float], float]:
     from linnet_jax.load import default_model_path
 
     torch.set_num_threads(args.threads)
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+    source, options = pretrained_source(args.model_path or default_model_path())
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, **options, dtype=torch.float32,
                                                               attn_implementation="sdpa")
     if lora:
         import peft
@@ -100,16 +106,51 @@ def child(row: str, args) -> dict:
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def missing(row: str) -> str | None:
+    """"not installed: ..." for a transformers row whose packages are absent, else None."""
+    if row.startswith("linnet_jax"):
+        return None
+    if "LoRA" in row:
+        return missing_modules(("torch", "transformers", "peft"), f"{TORCH_INSTALL} && {PEFT_INSTALL}")
+    return missing_modules(("torch", "transformers"), TORCH_INSTALL)
+
+
+def run_row(row: str) -> dict:
+    """One row in its own process: its result, or {"row", "error"} (not installed, or the failure's last line)."""
+    if (why := missing(row)) is not None:
+        return {"row": row, "error": why}
+    done = subprocess.run([sys.executable, __file__, "--child", row, *sys.argv[1:]], capture_output=True, text=True)
+    if done.returncode:
+        print(f"{row} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        return {"row": row, "error": last}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compare(results: list[dict]) -> list[dict]:
+    """Each result with `vs_transformers` (its tokens/s over transformers' same kind of row) and `loss_distance`
+    (|first loss − transformers'|), None where that row did not run."""
+    reference = {r["row"].split(" ", 1)[1]: r for r in results
+                 if r["row"].startswith("transformers") and "error" not in r}
+    compared = []
+    for r in results:
+        ref = None if "error" in r else reference.get(r["row"].split(" ", 1)[1])
+        compared.append(r | {"vs_transformers": ref and r["tokens_per_s"] / ref["tokens_per_s"],
+                             "loss_distance": ref and abs(r["first_loss"] - ref["first_loss"])})
+    return compared
+
+
 def table(results: list[dict], args) -> str:
-    reference = {r["row"].split(" ", 1)[1]: r for r in results if r["row"].startswith("transformers")}
     lines = [f"SmolLM2-135M-Instruct float32, batch {args.batch} × {args.seq_len} tokens, AdamW; median of "
              f"{args.steps} steps after {args.warmups} warm-up; {args.threads} threads.", "",
              "| row | step (s) | tokens/s | × transformers | peak RSS (MiB) | first loss | |Δloss| vs transformers |",
              "|---|---|---|---|---|---|---|"]
-    for r in results:
-        ref = reference.get(r["row"].split(" ", 1)[1])
-        ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}×" if ref else "-"
-        delta = f"{abs(r['first_loss'] - ref['first_loss']):.1e}" if ref else "-"
+    for r in compare(results):
+        if "error" in r:
+            lines.append(f"| {r['row']} | {r['error']} | - | - | - | - | - |")
+            continue
+        ratio = "-" if r["vs_transformers"] is None else f"{r['vs_transformers']:.2f}×"
+        delta = "-" if r["loss_distance"] is None else f"{r['loss_distance']:.1e}"
         lines.append(f"| {r['row']} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {ratio} | {r['peak_rss_mib']:.0f} | "
                      f"{r['first_loss']:.4f} | {delta} |")
     return "\n".join(lines)
@@ -132,6 +173,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch's intra-op threads")
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON to PATH")
+    parser.add_argument("--model-path", type=Path, help="a GGUF file or HF directory (default: SmolLM2's GGUF)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -139,14 +182,13 @@ def main() -> None:
         return
     results = []
     for row in args.rows.split(","):
-        command = [sys.executable, __file__, "--child", row, *sys.argv[1:]]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode:
-            sys.exit(f"{row} failed:\n{done.stderr[-3000:]}")
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        results.append(run_row(row))
         print(results[-1], file=sys.stderr)
     text = table(results, args)
     print(text)
+    if args.json:
+        command = " ".join(["python benchmarks/train.py", *map(shlex.quote, sys.argv[1:])])
+        write_json(args.json, "train", compare(results), args, command, skip=("json", "no_write", "child"))
     if not args.no_write:
         write(text)
 
