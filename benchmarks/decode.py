@@ -68,6 +68,8 @@ MARK_START, MARK_END = "<!-- decode-table:start -->", "<!-- decode-table:end -->
 REFERENCE = "transformers"  # distance and agreement are measured against this system
 BASELINE = "linnet_jax"  # decode speed ratios are against this system
 WEIGHT_BYTES = 538e6  # SmolLM2-135M float32 weights read per decoded token, tied head included
+CACHE_BYTES_PER_POSITION = 30 * 2 * 3 * 64 * 4  # SmolLM2's float32 keys and values: layers, k/v, kv heads, head dim
+RSS_GOAL = 1.3  # peak RSS less a jax-only process's, as a multiple of weights + cache (issue 13)
 BANDWIDTH = 41e9  # bytes/s, this machine's measured read bandwidth (BENCHMARKS.md)
 TORCH_THREADS = 2
 TORCH_INSTALL = ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && "
@@ -130,7 +132,8 @@ def register(name: str):
 
 @register("linnet_jax")
 class LinnetJax(System):
-    """linnet_jax.generate on XLA:CPU, weights as `linnet_jax.load` gives them (float32)."""
+    """linnet_jax.generate on XLA:CPU, weights as `linnet_jax.load` gives them (float32), a cache of exactly the
+    positions a run needs (max_len, as llama.cpp's n_ctx and the exports' capacity)."""
 
     label = "linnet_jax (XLA:CPU)"
 
@@ -144,7 +147,7 @@ class LinnetJax(System):
 
     def generate(self, ids: np.ndarray, new_tokens: int) -> list[int]:
         [row] = self.linnet_jax.generate(self.model, tokens=[ids.tolist()], max_new_tokens=new_tokens,
-                                         ignore_eos=True, return_details=True)
+                                         max_len=self.max_len, ignore_eos=True, return_details=True)
         return row.tokens
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
@@ -607,9 +610,28 @@ def native_vs_llama_cpp(results: list[Measured]) -> list[str]:
             f"({decode[BASELINE]:.1f} vs {decode['llama_cpp_f32']:.1f} tok/s, medians)"]
 
 
-def notes(results: list[Measured]) -> list[str]:
+def jax_only_rss_gib() -> float:
+    """The peak RSS of a fresh process that has only imported jax and run one op on the CPU."""
+    script = ("import resource, jax.numpy as jnp; jnp.zeros(1).block_until_ready(); "
+              "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    return int(out.split()[-1]) / 2**20
+
+
+def native_memory(results: list[Measured], max_len: int) -> list[str]:
+    """The memory goal's line: linnet_jax's peak RSS less a jax-only process's, against weights + cache."""
+    native = next((m for m in results if m.name == BASELINE and m.rss_gib), None)
+    if native is None:
+        return []
+    base = jax_only_rss_gib()
+    need = (WEIGHT_BYTES + CACHE_BYTES_PER_POSITION * max_len) / 2**30
+    return [f"- linnet_jax peak RSS less a jax-only process's ({base:.2f} GiB): {native.rss_gib - base:.2f} GiB = "
+            f"{(native.rss_gib - base) / need:.2f}× weights + cache ({need:.2f} GiB; the goal is ≤ {RSS_GOAL}×)"]
+
+
+def notes(results: list[Measured], max_len: int) -> list[str]:
     """Per-run figures, and anything irregular (tokens that changed between runs, late failures)."""
-    lines = native_vs_llama_cpp(results)
+    lines = native_vs_llama_cpp(results) + native_memory(results, max_len)
     if not any(m.name == REFERENCE and m.logits_path for m in results):
         lines.append(f"- no distance or agreement: the reference ({REFERENCE}) was not in this run or failed")
     for m in results:
@@ -681,7 +703,7 @@ def report(results: list[Measured], args: argparse.Namespace, command: str) -> s
         "",
         table(results, args.new_tokens),
         "",
-        *notes(results),
+        *notes(results, args.prompt_tokens + args.new_tokens),
         "",
         "TTFT: a generate call with one new token (prefill + first token). Decode: (new tokens − 1) / "
         "(full call − TTFT call), per run, median. % of roofline: decode × 538 MB per token / 41 GB/s. "
