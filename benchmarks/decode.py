@@ -303,7 +303,7 @@ class GeneratedJax(Exported):
             params, self.module.CONFIG, tokens, jax.numpy.arange(tokens.shape[1])[None])[0])
 
     def generate(self, ids: np.ndarray, new_tokens: int) -> list[int]:
-        return self.module.generate(self.params, ids.tolist(), new_tokens, stop_ids=())
+        return self.module.generate(self.params, ids.tolist(), new_tokens, stop_ids=(), max_len=self.max_len)
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
         return np.asarray(self.forward(self.params, ids[None].astype(np.int32))[0], np.float32)

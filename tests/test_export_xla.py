@@ -3,6 +3,7 @@
 must equal linnet_jax.generate, logits linnet_jax.logits; each reports its distance from transformers."""
 
 import ast
+import importlib.util
 import json
 import os
 import re
@@ -211,6 +212,25 @@ def test_jax_source_tiny_runs_standalone(tiny_dir, tmp_path):
     assert check_run(model, TINY_PROMPT, new_ids, logits, TINY_NEW) < 1e-5
     record_parity("tiny qwen3_qk_norm via export.jax_source (standalone)",
                   transformers_distance(reference, TINY_PROMPT, new_ids, logits))
+
+
+def test_jax_source_generate_stops_and_takes_a_cache_size(tiny_dir, tmp_path):
+    """model.py's generate decodes on the device: it ends before a stop id met mid-loop, gives the same ids
+    with an exact cache size (max_len), and refuses a max_len that cannot hold the prompt and the new tokens."""
+    model = linnet_jax.load(tiny_dir("qwen3_qk_norm")[1], progress=False)
+    out = export.jax_source(model, tmp_path / "src")
+    spec = importlib.util.spec_from_file_location("generated_tiny_model", out / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    params = module.load_weights()
+    full = module.generate(params, TINY_PROMPT, TINY_NEW, stop_ids=())
+    assert full == linnet_jax.generate(model, tokens=[TINY_PROMPT], max_new_tokens=TINY_NEW, ignore_eos=True)[0]
+    exact = module.bucket(len(TINY_PROMPT)) + TINY_NEW
+    assert module.generate(params, TINY_PROMPT, TINY_NEW, stop_ids=(), max_len=exact) == full
+    stop = full[3]
+    assert module.generate(params, TINY_PROMPT, TINY_NEW, stop_ids=(stop,)) == full[:full.index(stop)]
+    with pytest.raises(ValueError, match=f"max_len must be an int of at least {exact}"):
+        module.generate(params, TINY_PROMPT, TINY_NEW, stop_ids=(), max_len=exact - 1)
 
 
 def test_jax_source_refuses_a_module_missing_a_definition(tiny_dir, monkeypatch):

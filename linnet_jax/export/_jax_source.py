@@ -90,10 +90,13 @@ def step(params: Params, tokens, positions, cache: KVCache) -> tuple[jax.Array, 
     return _step(params, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), cache)
 
 
-def generate(params: Params, token_ids: list[int], max_new_tokens: int, stop_ids=EOS_TOKEN_IDS) -> list[int]:
+def generate(params: Params, token_ids: list[int], max_new_tokens: int, stop_ids=EOS_TOKEN_IDS,
+             max_len: int | None = None) -> list[int]:
     """Greedy continuation of one prompt: up to max_new_tokens new ids, ending before the first stop id.
+    max_len: the cache's slots (at least the bucketed prompt plus max_new_tokens); default a bucket that fits.
 
-    The layers run unrolled over per-layer weights (`unstack_layers`), as linnet_jax decodes on XLA:CPU.
+    The layers run unrolled over per-layer weights (`unstack_layers`), as linnet_jax decodes on XLA:CPU, and
+    the tokens after the first come from one loop on the device (`_greedy`), as linnet_jax's `generate`.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -103,14 +106,41 @@ def generate(params: Params, token_ids: list[int], max_new_tokens: int, stop_ids
     prompt_len = bucket(len(token_ids))
     tokens, positions = left_pad([token_ids], prompt_len)
     params = unstack_layers(params)
-    cache = init_cache(CONFIG, 1, bucket(prompt_len + max_new_tokens), params.embed.dtype)
+    need = prompt_len + max_new_tokens
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer))
+                                or max_len < need):
+        raise ValueError(f"max_len must be an int of at least {need} (the prompt's bucket of {prompt_len} plus "
+                         f"{max_new_tokens} new tokens), got {max_len!r}")
+    cache = init_cache(CONFIG, 1, bucket(need) if max_len is None else int(max_len), params.embed.dtype)
     logits, cache = step(params, tokens, positions, cache)
     new = [int(jnp.argmax(logits[0]))]
-    while len(new) < max_new_tokens and new[-1] not in stop_ids:
-        position = np.array([[len(token_ids) + len(new) - 1]], np.int32)
-        logits, cache = step(params, np.array([[new[-1]]], np.int32), position, cache)
-        new.append(int(jnp.argmax(logits[0])))
+    if max_new_tokens > 1 and new[-1] not in stop_ids:
+        stops = jnp.asarray(list(stop_ids) or [-1], jnp.int32)  # -1: no id is ever chosen
+        more, count = _greedy(params, jnp.int32(new[-1]), jnp.int32(len(token_ids)), cache, stops,
+                              jnp.int32(max_new_tokens - 1), bucket(max_new_tokens - 1))
+        new += np.asarray(more)[:int(count)].tolist()
     return new[:-1] if new[-1] in stop_ids else new
+
+
+@functools.partial(jax.jit, static_argnums=6)
+def _greedy(params: Params, token: jax.Array, position: jax.Array, cache: KVCache, stop_ids: jax.Array,
+            steps: jax.Array, out_len: int) -> tuple[jax.Array, jax.Array]:
+    """Up to `steps` greedy tokens after `token` (fed at `position`), in one loop on the device, ending after
+    the first of stop_ids [S]: (new ids [out_len], how many were made). The cache must have room for them."""
+
+    def going(carry):
+        i, _, _, _, stopped = carry
+        return (i < steps) & ~stopped
+
+    def one(carry):
+        i, token, cache, new, _ = carry
+        logits, cache = forward(params, CONFIG, token.reshape(1, 1), (position + i).reshape(1, 1), cache)
+        token = jnp.argmax(logits[0, 0]).astype(jnp.int32)
+        return i + 1, token, cache, new.at[i].set(token), jnp.any(token == stop_ids)
+
+    start = (jnp.int32(0), token, cache, jnp.zeros(out_len, jnp.int32), jnp.bool_(False))
+    count, _, _, new, _ = jax.lax.while_loop(going, one, start)
+    return new, count
 '''
 
 
