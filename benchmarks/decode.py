@@ -240,7 +240,8 @@ class Exported(System):
 
 @register("stablehlo")
 class StableHLOReloaded(Exported):
-    """`export.stablehlo`'s serialized programs, deserialized and called as README's loader does; no linnet_jax.
+    """`export.stablehlo`'s serialized programs, deserialized as README's loader does (no linnet_jax): a prefill
+    program, then the decode program inside one on-device greedy loop (`greedy_loop`).
 
     Its programs return the last position's logits only, so its distance covers the prompt's last position."""
 
@@ -261,7 +262,9 @@ class StableHLOReloaded(Exported):
                            donate_argnums=3)
 
         self.prefill = {int(t): program(files) for t, files in manifest["prefill"].items()}
-        self.decode, self.cache = program(manifest["decode"]), manifest["cache"]
+        self.cache = manifest["cache"]
+        self.decode_loop = greedy_loop(jax.export.deserialize((self.export / manifest["decode"]["serialized"])
+                                                              .read_bytes()))
         self.weights = jax.block_until_ready(jax.device_put(load_file(self.export / manifest["weights"]["file"])))
 
     def prompt_logits(self, ids: np.ndarray):
@@ -274,15 +277,33 @@ class StableHLOReloaded(Exported):
 
     def generate(self, ids: np.ndarray, new_tokens: int) -> list[int]:
         logits, cache = self.prompt_logits(ids)
-        new = [int(np.asarray(logits[0]).argmax())]
-        for position in range(len(ids), len(ids) + new_tokens - 1):
-            token, at = np.array([new[-1]], np.int32), np.array([position], np.int32)
-            logits, cache = self.decode(self.weights, token, at, cache)
-            new.append(int(np.asarray(logits[0]).argmax()))
-        return new
+        first = np.int32(np.asarray(logits[0]).argmax())
+        if new_tokens == 1:
+            return [int(first)]
+        more = self.decode_loop(self.weights, first, np.int32(len(ids)), cache, new_tokens - 1)
+        return [int(first), *np.asarray(more).tolist()]
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
         return np.asarray(self.prompt_logits(ids)[0], np.float32)
+
+
+def greedy_loop(decode):
+    """A jitted greedy loop on the device around a deserialized one-token decode program (batch 1):
+    (weights, first token, its position, cache, steps) -> the `steps` next ids [steps]. One dispatch per
+    generation, as `generate` runs; `jax.export`'s programs are callable inside `lax.fori_loop`."""
+    import jax
+    import jax.numpy as jnp
+
+    def loop(weights, token, position, cache, steps):
+        def step(i, carry):
+            token, cache, new = carry
+            logits, cache = decode.call(weights, token.reshape(1), (position + i).reshape(1), cache)
+            token = jnp.argmax(logits[0]).astype(jnp.int32)
+            return token, cache, new.at[i].set(token)
+
+        return jax.lax.fori_loop(0, steps, step, (token, cache, jnp.zeros(steps, jnp.int32)))[2]
+
+    return jax.jit(loop, static_argnums=4, donate_argnums=3)
 
 
 @register("jax_source")
