@@ -303,7 +303,7 @@ def greedy_loop(decode):
 
         return jax.lax.fori_loop(0, steps, step, (token, cache, jnp.zeros(steps, jnp.int32)))[2]
 
-    return jax.jit(loop, static_argnums=4, donate_argnums=3)
+    return jax.jit(loop, static_argnums=4)  # the cache is not returned, so nothing to donate it to
 
 
 @register("jax_source")

@@ -376,12 +376,13 @@ def export_stablehlo(args: argparse.Namespace, protocol: Protocol) -> dict:
 
 @dataclasses.dataclass
 class Reloaded:
-    """An export's programs deserialized and jitted (cache donated), its weights on the device, its manifest."""
+    """An export's prefill programs deserialized and jitted (cache donated), its decode program inside an
+    on-device greedy loop (decode.py's `greedy_loop`), its weights on the device, its manifest."""
 
     manifest: dict
     weights: dict
     prefill: dict  # bucket T -> program
-    decode: Callable
+    decode_loop: Callable
 
 
 def load_stablehlo(directory: Path) -> Reloaded:
@@ -389,21 +390,22 @@ def load_stablehlo(directory: Path) -> Reloaded:
     import jax
     from safetensors.numpy import load_file
 
+    from decode import greedy_loop
+
     manifest = json.loads((directory / "manifest.json").read_text())
 
-    def program(files: dict):
-        return jax.jit(jax.export.deserialize((directory / files["serialized"]).read_bytes()).call, donate_argnums=3)
+    def deserialized(files: dict):
+        return jax.export.deserialize((directory / files["serialized"]).read_bytes())
 
     arrays = load_file(directory / manifest["weights"]["file"])
     weights = {name: jax.device_put(array) for name, array in arrays.items()}
-    prefill = {int(t): program(files) for t, files in manifest["prefill"].items()}
-    return Reloaded(manifest, jax.block_until_ready(weights), prefill, program(manifest["decode"]))
+    prefill = {int(t): jax.jit(deserialized(files).call, donate_argnums=3) for t, files in manifest["prefill"].items()}
+    return Reloaded(manifest, jax.block_until_ready(weights), prefill, greedy_loop(deserialized(manifest["decode"])))
 
 
 def stablehlo_generate(reloaded: Reloaded, ids: list[int], new_tokens: int) -> list[int]:
-    """Greedy ids after the prompt ids: the prompt's bucket's prefill program, then the decode program once per
-    token, each next token chosen on the device (no host round trip until the end)."""
-    import jax
+    """Greedy ids after the prompt ids: the prompt's bucket's prefill program, then the decode program in one
+    loop on the device (no host round trip until the end)."""
     import jax.numpy as jnp
 
     manifest = reloaded.manifest
@@ -412,24 +414,11 @@ def stablehlo_generate(reloaded: Reloaded, ids: list[int], new_tokens: int) -> l
     tokens[0, t - len(ids):], positions[0, t - len(ids):] = ids, np.arange(len(ids))  # left-padded
     cache = {name: jnp.full(c["shape"], c["fill"], c["dtype"]) for name, c in manifest["cache"].items()}
     logits, cache = reloaded.prefill[t](reloaded.weights, tokens, positions, cache)
-    chosen = [greedy(logits)]
-    for position in range(len(ids), len(ids) + new_tokens - 1):
-        logits, cache = reloaded.decode(reloaded.weights, chosen[-1], np.full((1,), position, np.int32), cache)
-        chosen.append(greedy(logits))
-    return np.asarray(jax.block_until_ready(jnp.concatenate(chosen))).tolist()
-
-
-@functools.cache
-def _greedy():
-    import jax
-    import jax.numpy as jnp
-
-    return jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
-
-
-def greedy(logits):
-    """The argmax of logits [B, V] on the device: int32 [B]."""
-    return _greedy()(logits)
+    first = jnp.argmax(logits[0]).astype(jnp.int32)
+    if new_tokens == 1:
+        return [int(first)]
+    more = reloaded.decode_loop(reloaded.weights, first, np.int32(len(ids)), cache, new_tokens - 1)
+    return [int(first), *np.asarray(more).tolist()]
 
 
 def section_stablehlo(args: argparse.Namespace, protocol: Protocol) -> dict:
