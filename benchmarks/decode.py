@@ -21,11 +21,13 @@ What is measured, per system:
   table gives the median over runs (and TTFT the median of its own).
 - load: from files to weights ready in memory (imports not included); first call: the first
   full generate in a fresh process, compilation included.
-- peak RSS: the worker's `ru_maxrss` after the timed runs (before the distance is computed).
+- peak RSS: the worker's own peak (VmHWM) after the timed runs (before the distance is computed).
 - distance: max |logit difference| over the whole prompt against transformers eager float32 (the
   reference, 0 by definition); agreement: how many leading generated tokens equal the
   reference's.
-- % roofline: decode tok/s x 538 MB of float32 weights read per token / 41 GB/s (BENCHMARKS.md).
+- % of roofline: decode tok/s x the bytes a step reads (the float32 weights, a tied head once, and the
+  keys and values of every cache position) / this run's read bandwidth: a jitted sum over
+  1 GiB in a fresh process, the faster of one before and one after the runs (`read_bandwidth`).
 
 Rows for linnet_jax's exports (`Exported`) write the export in a child process before the timed load (so
 neither its time nor its memory counts), then use only what it wrote: the StableHLO programs deserialized and
@@ -51,7 +53,6 @@ import json
 import multiprocessing
 import os
 import platform
-import resource
 import shlex
 import statistics
 import subprocess
@@ -67,10 +68,8 @@ RESULTS = HERE / "RESULTS.md"
 MARK_START, MARK_END = "<!-- decode-table:start -->", "<!-- decode-table:end -->"
 REFERENCE = "transformers"  # distance and agreement are measured against this system
 BASELINE = "linnet_jax"  # decode speed ratios are against this system
-WEIGHT_BYTES = 538e6  # SmolLM2-135M float32 weights read per decoded token, tied head included
-CACHE_BYTES_PER_POSITION = 30 * 2 * 3 * 64 * 4  # SmolLM2's float32 keys and values: layers, k/v, kv heads, head dim
+DECODE_GOAL = 1.1  # linnet_jax's decode as a multiple of llama.cpp f32's (issue 13)
 RSS_GOAL = 1.3  # peak RSS less a jax-only process's, as a multiple of weights + cache (issue 13)
-BANDWIDTH = 41e9  # bytes/s, this machine's measured read bandwidth (BENCHMARKS.md)
 TORCH_THREADS = 2
 TORCH_INSTALL = ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && "
                  "pip install transformers==5.24.0")
@@ -388,8 +387,10 @@ def timed(fn, *args):
 
 
 def peak_rss_gib() -> float:
-    """This process's peak resident set size (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    """This process's own peak resident set size (VmHWM), in GiB. Not ru_maxrss: Linux carries that over from
+    the parent across fork and exec, so a worker started by a larger process would report the parent's peak."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 2**20
 
 
 def protocol_channel():
@@ -460,6 +461,7 @@ class Measured:
     distance: float | None = None
     distance_rows: int | None = None  # prompt positions the distance covers, when fewer than all
     agreement: int | None = None
+    roofline_share: float | None = None  # median decode x bytes read per token / the run's read bandwidth
 
     @property
     def ok(self) -> bool:
@@ -615,7 +617,7 @@ def table(results: list[Measured], new_tokens: int) -> str:
             ttft, decode = m.ttft, m.decode
             ratio = decode / baseline.decode if baseline else None
             cells = [fmt(ttft * 1e3, "{:,.0f} ms"), fmt(decode, "{:.1f} tok/s"), fmt(ratio, "{:.2f}×"),
-                     fmt(100 * decode * WEIGHT_BYTES / BANDWIDTH, "{:.0f}%"), fmt(m.load_s, "{:.2f} s"),
+                     fmt(m.roofline_share and 100 * m.roofline_share, "{:.0f}%"), fmt(m.load_s, "{:.2f} s"),
                      fmt(m.first_call_s, "{:.1f} s"), fmt(m.rss_gib, "{:.2f} GiB"),
                      fmt(m.distance, "{:.1e}"), fmt(m.agreement, f"{{}}/{new_tokens}")]
         rows.append("| " + " | ".join([m.label, *cells]) + " |")
@@ -631,28 +633,81 @@ def native_vs_llama_cpp(results: list[Measured]) -> list[str]:
             f"({decode[BASELINE]:.1f} vs {decode['llama_cpp_f32']:.1f} tok/s, medians)"]
 
 
+BANDWIDTH_SCRIPT = """
+import time, jax, jax.numpy as jnp
+data = jnp.ones((1 << 28,), jnp.float32)
+total = jax.jit(jnp.sum)
+total(data).block_until_ready()
+seconds = []
+for _ in range(5):
+    start = time.perf_counter()
+    total(data).block_until_ready()
+    seconds.append(time.perf_counter() - start)
+print(data.nbytes / min(seconds))
+"""
+
+
+def read_bandwidth() -> float:
+    """This machine's memory read bandwidth now, in bytes/s: a jitted sum over 1 GiB of float32 in a fresh
+    process, the fastest of 5 passes (BENCHMARKS.md's measure)."""
+    out = subprocess.run([sys.executable, "-c", BANDWIDTH_SCRIPT], capture_output=True, text=True, check=True).stdout
+    return float(out.split()[-1])
+
+
+def bytes_per_token(model_path: Path, max_len: int) -> float:
+    """What a batch-1 float32 decode step reads: the model's weights (a tied head once) and the keys and values
+    of max_len cache positions."""
+    from linnet_jax.gguf import open_gguf
+    from linnet_jax.load import read_config
+    from linnet_jax.models import Config
+
+    config = (Config.from_hf(open_gguf(model_path)[0]) if model_path.is_file()
+              else read_config(model_path / "config.json"))
+    cache = config.num_layers * 2 * config.num_kv_heads * config.head_dim * max_len
+    return 4.0 * (config.num_params() + cache)
+
+
+def add_roofline(results: list[Measured], bandwidth: float, step_bytes: float) -> None:
+    """Each measured system's median decode as a share of the bandwidth roofline (bandwidth / bytes per token)."""
+    for m in results:
+        if m.decode_tok_s:
+            m.roofline_share = m.decode * step_bytes / bandwidth
+
+
+def roofline_line(results: list[Measured], bandwidth: float, step_bytes: float) -> list[str]:
+    """The run's roofline, and what the decode goal (1.1× llama.cpp f32) would take of it."""
+    line = (f"- read bandwidth in this run: {bandwidth / 1e9:.1f} GB/s (a jitted sum over 1 GiB, the faster of "
+            f"before and after the runs) → decode roofline {bandwidth / step_bytes:.1f} tok/s at "
+            f"{step_bytes / 1e6:.0f} MB read per token")
+    llama = next((m for m in results if m.name == "llama_cpp_f32" and m.decode_tok_s), None)
+    if llama:
+        line += (f"; llama.cpp f32 runs at {llama.roofline_share:.0%} of it, so {DECODE_GOAL}× llama.cpp f32 "
+                 f"would be {DECODE_GOAL * llama.roofline_share:.0%}")
+    return [line]
+
+
 def jax_only_rss_gib() -> float:
     """The peak RSS of a fresh process that has only imported jax and run one op on the CPU."""
-    script = ("import resource, jax.numpy as jnp; jnp.zeros(1).block_until_ready(); "
-              "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    script = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import jax.numpy as jnp; from decode import peak_rss_gib; "
+              "jnp.zeros(1).block_until_ready(); print(peak_rss_gib())")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    return int(out.split()[-1]) / 2**20
+    return float(out.split()[-1])
 
 
-def native_memory(results: list[Measured], max_len: int) -> list[str]:
+def native_memory(results: list[Measured], step_bytes: float) -> list[str]:
     """The memory goal's line: linnet_jax's peak RSS less a jax-only process's, against weights + cache."""
     native = next((m for m in results if m.name == BASELINE and m.rss_gib), None)
     if native is None:
         return []
     base = jax_only_rss_gib()
-    need = (WEIGHT_BYTES + CACHE_BYTES_PER_POSITION * max_len) / 2**30
+    need = step_bytes / 2**30
     return [f"- linnet_jax peak RSS less a jax-only process's ({base:.2f} GiB): {native.rss_gib - base:.2f} GiB = "
             f"{(native.rss_gib - base) / need:.2f}× weights + cache ({need:.2f} GiB; the goal is ≤ {RSS_GOAL}×)"]
 
 
-def notes(results: list[Measured], max_len: int) -> list[str]:
+def notes(results: list[Measured], step_bytes: float, bandwidth: float) -> list[str]:
     """Per-run figures, and anything irregular (tokens that changed between runs, late failures)."""
-    lines = native_vs_llama_cpp(results) + native_memory(results, max_len)
+    lines = native_vs_llama_cpp(results) + roofline_line(results, bandwidth, step_bytes) + native_memory(results, step_bytes)
     if not any(m.name == REFERENCE and m.logits_path for m in results):
         lines.append(f"- no distance or agreement: the reference ({REFERENCE}) was not in this run or failed")
     for m in results:
@@ -699,18 +754,20 @@ def versions(names: tuple[str, ...] = ("jax", "jaxlib", "torch", "transformers",
 
 
 def write_json(path: Path, section: str, rows: list[dict], args: argparse.Namespace, command: str,
-               skip: tuple[str, ...] = ("json", "no_write", "worker")) -> None:
+               skip: tuple[str, ...] = ("json", "no_write", "worker"), **measured) -> None:
     """A run's rows and how they were measured (where, when, the protocol's parameters, the command), as JSON:
-    what benchmarks/page.py renders. `skip`: the arguments that are not part of the protocol."""
+    what benchmarks/page.py renders. `skip`: the arguments that are not part of the protocol; `measured`: figures
+    of the run beside its rows (decode's read bandwidth)."""
     protocol = {k: v for k, v in vars(args).items() if k not in skip}
     payload = {"section": section, "command": command, "measured": datetime.datetime.now().isoformat("T", "minutes"),
                "machine": machine(), "versions": versions(), "code_version": code_version(), "protocol": protocol,
-               "rows": rows}
+               **measured, "rows": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1, ensure_ascii=False, default=str) + "\n")
 
 
-def report(results: list[Measured], args: argparse.Namespace, command: str) -> str:
+def report(results: list[Measured], args: argparse.Namespace, command: str, bandwidth: float,
+           step_bytes: float) -> str:
     """The markdown section that goes between the markers: what, where, how, the table, how to read it."""
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     return "\n".join([
@@ -724,10 +781,11 @@ def report(results: list[Measured], args: argparse.Namespace, command: str) -> s
         "",
         table(results, args.new_tokens),
         "",
-        *notes(results, args.prompt_tokens + args.new_tokens),
+        *notes(results, step_bytes, bandwidth),
         "",
         "TTFT: a generate call with one new token (prefill + first token). Decode: (new tokens − 1) / "
-        "(full call − TTFT call), per run, median. % of roofline: decode × 538 MB per token / 41 GB/s. "
+        "(full call − TTFT call), per run, median. % of roofline: decode × bytes read per token (weights and "
+        "cache) / this run's read bandwidth. "
         "Load: files to weights ready (imports excluded); first call: the first full generate in a fresh "
         "process, compilation included. Peak RSS: the system's own process. Distance: max |Δlogit| over "
         "the prompt against transformers eager float32; agreement: leading greedy tokens equal to its "
@@ -780,13 +838,19 @@ def main(argv: list[str]) -> None:
     from linnet_jax.load import default_model_path
 
     command = " ".join(["python benchmarks/decode.py", *map(shlex.quote, argv)])
+    model_path = args.model_path or default_model_path()
+    bandwidth = read_bandwidth()
     with tempfile.TemporaryDirectory(prefix="decode-bench-") as scratch:
-        results = measure(args, args.model_path or default_model_path(), Path(scratch))
+        results = measure(args, model_path, Path(scratch))
         compare_to_reference(results)
-    section = report(results, args, command)
+    bandwidth = max(bandwidth, read_bandwidth())
+    step_bytes = bytes_per_token(model_path, args.prompt_tokens + args.new_tokens)
+    add_roofline(results, bandwidth, step_bytes)
+    section = report(results, args, command, bandwidth, step_bytes)
     print(section)
     if args.json:
-        write_json(args.json, "decode", [m.summary() for m in results], args, command)
+        write_json(args.json, "decode", [m.summary() for m in results], args, command,
+                   read_bandwidth_gb_s=bandwidth / 1e9, bytes_per_token=step_bytes)
     if not args.no_write:
         write_results(section)
         print(f"\nwritten to {RESULTS}", file=sys.stderr)

@@ -276,6 +276,8 @@ def decode_entry(row: dict, protocol: dict) -> Entry:
         entry.notes.append(f"{row['agreement']}/{protocol.get('new_tokens', '?')} greedy tokens as the reference's")
     if row.get("first_call_s") is not None:
         entry.notes.append(f"first call {significant(row['first_call_s'])} s (compilation included)")
+    if row.get("roofline_share") is not None:
+        entry.notes.append(f"decode at {row['roofline_share']:.0%} of the run's bandwidth roofline")
     return entry
 
 
@@ -480,8 +482,16 @@ def where_and_with_what(payloads: list[dict]) -> list[str]:
         lines += [f"- **{SECTIONS[p['section']].title}**{quick}: measured {p['measured']} on {p['machine']}{took}; "
                   f"{p['versions']}; linnet_jax at {p['code_version']}.",
                   f"  Command: `{p['command']}`" + (f"; {protocol_line(p['protocol'])}." if p.get("protocol") else ""),
+                  *([roofline_text(p)] if p.get("read_bandwidth_gb_s") else []),
                   *([f"  These rows were {p['source']}."] if p.get("source") else [])]
     return lines
+
+
+def roofline_text(payload: dict) -> str:
+    """The decode section's ceiling: the run's read bandwidth over the bytes a batch-1 step reads."""
+    bandwidth, per_token = payload["read_bandwidth_gb_s"], payload["bytes_per_token"]
+    return (f"  Read bandwidth in this run: {bandwidth:.1f} GB/s (a jitted sum over 1 GiB), so no batch-1 decode "
+            f"reading {per_token / 1e6:.0f} MB a token can pass {bandwidth * 1e9 / per_token:.1f} tok/s.")
 
 
 def chart_lines(charts: dict[str, Path], page: Path) -> list[str]:

@@ -26,7 +26,7 @@ wall time of the whole workload.
 Load: server start to `/health` answering (imports, weights and, for linnet_jax, its warm-up compilation); for
 the offline rows, files to weights ready. Untimed before the timed run: one short request to a server, a
 warm-up generation for the offline rows (compiling each prompt bucket for `generate`). Peak RSS: the largest
-sum of resident memory over the server's process tree (sampled every 0.2 s), or the worker's `ru_maxrss`.
+sum of resident memory over the server's process tree (sampled every 0.2 s), or the worker's own peak (VmHWM).
 Greedy check: a short text prompt's ids, 16 greedy tokens, eos ignored, compared with linnet_jax's `generate()`
 (vLLM's `return_token_ids`; the text when a server returns no ids).
 

@@ -18,7 +18,6 @@ line.
 import argparse
 import json
 import re
-import resource
 import shlex
 import statistics
 import subprocess
@@ -26,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from decode import TORCH_INSTALL, missing_modules, pretrained_source, write_json
+from decode import TORCH_INSTALL, missing_modules, peak_rss_gib, pretrained_source, write_json
 
 ROWS = ("linnet_jax full", "transformers full", "linnet_jax LoRA r=8", "transformers LoRA r=8")
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -103,7 +102,7 @@ def child(row: str, args) -> dict:
     times, first = run(lora, args)
     step = statistics.median(times)
     return {"row": row, "step_s": step, "tokens_per_s": args.batch * args.seq_len / step, "first_loss": first,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mib": peak_rss_gib() * 1024}
 
 
 def missing(row: str) -> str | None:
