@@ -90,6 +90,7 @@ class System:
     """One row of the table. Subclasses import their libraries lazily, inside the worker."""
 
     label = ""  # the row's name in the table
+    weight_bytes = 4.0  # bytes a weight takes as the system reads it (its roofline's bytes per token)
     requires: tuple[str, ...] = ()  # modules the row imports beyond linnet_jax's own
     install = ""  # the command that installs them
 
@@ -362,12 +363,14 @@ class LlamaCpp(Exported):
 class LlamaCppF16(LlamaCpp):
     label = "llama.cpp on linnet_jax's GGUF (f16)"
     export_options = {"dtype": "f16", "progress": False}
+    weight_bytes = 2.0
 
 
 @register("llama_cpp_q8_0")
 class LlamaCppQ8(LlamaCpp):
     label = "llama.cpp on linnet_jax's GGUF (q8_0)"
     export_options = {"dtype": "q8_0", "progress": False}
+    weight_bytes = 34 / 32  # a block: 32 int8 weights and a float16 scale
 
 
 # --------------------------------------------------------------------------------------------
@@ -654,31 +657,38 @@ def read_bandwidth() -> float:
     return float(out.split()[-1])
 
 
-def bytes_per_token(model_path: Path, max_len: int) -> float:
-    """What a batch-1 float32 decode step reads: the model's weights (a tied head once) and the keys and values
-    of max_len cache positions."""
+def model_sizes(model_path: Path, max_len: int) -> tuple[int, int]:
+    """(weights, cache entries): the model's weights (a tied head once) and the keys and values of max_len
+    positions, the elements a batch-1 decode step reads."""
     from linnet_jax.gguf import open_gguf
     from linnet_jax.load import read_config
     from linnet_jax.models import Config
 
     config = (Config.from_hf(open_gguf(model_path)[0]) if model_path.is_file()
               else read_config(model_path / "config.json"))
-    cache = config.num_layers * 2 * config.num_kv_heads * config.head_dim * max_len
-    return 4.0 * (config.num_params() + cache)
+    return config.num_params(), config.num_layers * 2 * config.num_kv_heads * config.head_dim * max_len
 
 
-def add_roofline(results: list[Measured], bandwidth: float, step_bytes: float) -> None:
-    """Each measured system's median decode as a share of the bandwidth roofline (bandwidth / bytes per token)."""
+def step_bytes(sizes: tuple[int, int], weight_bytes: float = 4.0) -> float:
+    """Bytes a batch-1 decode step reads: the weights at weight_bytes each, the float32 cache."""
+    weights, cache = sizes
+    return weights * weight_bytes + cache * 4.0
+
+
+def add_roofline(results: list[Measured], bandwidth: float, sizes: tuple[int, int]) -> None:
+    """Each measured system's median decode as a share of its bandwidth roofline (bandwidth / the bytes its step
+    reads, its weights as wide as it reads them)."""
     for m in results:
         if m.decode_tok_s:
-            m.roofline_share = m.decode * step_bytes / bandwidth
+            m.roofline_share = m.decode * step_bytes(sizes, SYSTEMS[m.name].weight_bytes) / bandwidth
 
 
-def roofline_line(results: list[Measured], bandwidth: float, step_bytes: float) -> list[str]:
-    """The run's roofline, and what the decode goal (1.1× llama.cpp f32) would take of it."""
+def roofline_line(results: list[Measured], bandwidth: float, sizes: tuple[int, int]) -> list[str]:
+    """The run's float32 roofline, and what the decode goal (1.1× llama.cpp f32) would take of it."""
+    per_token = step_bytes(sizes)
     line = (f"- read bandwidth in this run: {bandwidth / 1e9:.1f} GB/s (a jitted sum over 1 GiB, the faster of "
-            f"before and after the runs) → decode roofline {bandwidth / step_bytes:.1f} tok/s at "
-            f"{step_bytes / 1e6:.0f} MB read per token")
+            f"before and after the runs) → float32 decode roofline {bandwidth / per_token:.1f} tok/s at "
+            f"{per_token / 1e6:.0f} MB read per token")
     llama = next((m for m in results if m.name == "llama_cpp_f32" and m.decode_tok_s), None)
     if llama:
         line += (f"; llama.cpp f32 runs at {llama.roofline_share:.0%} of it, so {DECODE_GOAL}× llama.cpp f32 "
@@ -694,20 +704,20 @@ def jax_only_rss_gib() -> float:
     return float(out.split()[-1])
 
 
-def native_memory(results: list[Measured], step_bytes: float) -> list[str]:
+def native_memory(results: list[Measured], sizes: tuple[int, int]) -> list[str]:
     """The memory goal's line: linnet_jax's peak RSS less a jax-only process's, against weights + cache."""
     native = next((m for m in results if m.name == BASELINE and m.rss_gib), None)
     if native is None:
         return []
     base = jax_only_rss_gib()
-    need = step_bytes / 2**30
+    need = step_bytes(sizes) / 2**30
     return [f"- linnet_jax peak RSS less a jax-only process's ({base:.2f} GiB): {native.rss_gib - base:.2f} GiB = "
             f"{(native.rss_gib - base) / need:.2f}× weights + cache ({need:.2f} GiB; the goal is ≤ {RSS_GOAL}×)"]
 
 
-def notes(results: list[Measured], step_bytes: float, bandwidth: float) -> list[str]:
+def notes(results: list[Measured], sizes: tuple[int, int], bandwidth: float) -> list[str]:
     """Per-run figures, and anything irregular (tokens that changed between runs, late failures)."""
-    lines = native_vs_llama_cpp(results) + roofline_line(results, bandwidth, step_bytes) + native_memory(results, step_bytes)
+    lines = native_vs_llama_cpp(results) + roofline_line(results, bandwidth, sizes) + native_memory(results, sizes)
     if not any(m.name == REFERENCE and m.logits_path for m in results):
         lines.append(f"- no distance or agreement: the reference ({REFERENCE}) was not in this run or failed")
     for m in results:
@@ -767,7 +777,7 @@ def write_json(path: Path, section: str, rows: list[dict], args: argparse.Namesp
 
 
 def report(results: list[Measured], args: argparse.Namespace, command: str, bandwidth: float,
-           step_bytes: float) -> str:
+           sizes: tuple[int, int]) -> str:
     """The markdown section that goes between the markers: what, where, how, the table, how to read it."""
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     return "\n".join([
@@ -781,11 +791,11 @@ def report(results: list[Measured], args: argparse.Namespace, command: str, band
         "",
         table(results, args.new_tokens),
         "",
-        *notes(results, step_bytes, bandwidth),
+        *notes(results, sizes, bandwidth),
         "",
         "TTFT: a generate call with one new token (prefill + first token). Decode: (new tokens − 1) / "
-        "(full call − TTFT call), per run, median. % of roofline: decode × bytes read per token (weights and "
-        "cache) / this run's read bandwidth. "
+        "(full call − TTFT call), per run, median. % of roofline: decode × bytes read per token (the weights, as "
+        "wide as the system reads them, and the float32 cache) / this run's read bandwidth. "
         "Load: files to weights ready (imports excluded); first call: the first full generate in a fresh "
         "process, compilation included. Peak RSS: the system's own process. Distance: max |Δlogit| over "
         "the prompt against transformers eager float32; agreement: leading greedy tokens equal to its "
@@ -844,13 +854,13 @@ def main(argv: list[str]) -> None:
         results = measure(args, model_path, Path(scratch))
         compare_to_reference(results)
     bandwidth = max(bandwidth, read_bandwidth())
-    step_bytes = bytes_per_token(model_path, args.prompt_tokens + args.new_tokens)
-    add_roofline(results, bandwidth, step_bytes)
-    section = report(results, args, command, bandwidth, step_bytes)
+    sizes = model_sizes(model_path, args.prompt_tokens + args.new_tokens)
+    add_roofline(results, bandwidth, sizes)
+    section = report(results, args, command, bandwidth, sizes)
     print(section)
     if args.json:
         write_json(args.json, "decode", [m.summary() for m in results], args, command,
-                   read_bandwidth_gb_s=bandwidth / 1e9, bytes_per_token=step_bytes)
+                   read_bandwidth_gb_s=bandwidth / 1e9, bytes_per_token=step_bytes(sizes))
     if not args.no_write:
         write_results(section)
         print(f"\nwritten to {RESULTS}", file=sys.stderr)

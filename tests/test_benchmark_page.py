@@ -95,6 +95,12 @@ def test_quick_page_writes_results_and_describes_the_run(quick_page):
         payload = json.loads((quick_page / "results" / f"{name}.json").read_text())
         assert payload["quick"] is True and payload["rows"], name
     assert readme.count("(quick mode: a tiny random model") == len(page.SECTIONS)
+    decode = json.loads((quick_page / "results" / "decode.json").read_text())
+    assert 1 < decode["read_bandwidth_gb_s"] < 10_000 and decode["bytes_per_token"] > 0
+    assert re.search(rf"Read bandwidth in this run: {NUMBER} GB/s .* can pass {NUMBER} tok/s", readme)
+    native = next(row for row in decode["rows"] if row["name"] == "linnet_jax")
+    expected = native["decode_median_tok_s"] * decode["bytes_per_token"] / (decode["read_bandwidth_gb_s"] * 1e9)
+    assert native["roofline_share"] == pytest.approx(expected)
     assert "## Protocol" in readme and "### Serving (`serve.py`)" in readme
 
 
@@ -171,3 +177,15 @@ def test_committed_page_is_rendered_from_committed_results(tmp_path):
     for metric in page.METRICS:
         chart = Path("charts") / f"{metric.key}.png"
         assert (committed / chart).exists() == (tmp_path / chart).exists(), chart
+
+
+def test_decode_roofline_counts_the_bytes_a_step_reads():
+    """SmolLM2 (the default model): its float32 weights (the tied head once) are 538 MB; 640 cache positions of
+    30 layers x keys and values x 3 heads x 64 add 29.5 MB; llama.cpp's f16 rows read the weights at half width."""
+    from linnet_jax.load import default_model_path
+
+    sizes = page.decode.model_sizes(default_model_path(), 640)
+    assert sizes == (134_515_008, 30 * 2 * 3 * 64 * 640)
+    assert page.decode.step_bytes(sizes) == pytest.approx(538.06e6 + 29.49e6, rel=1e-4)
+    assert page.decode.step_bytes(sizes, page.decode.SYSTEMS["llama_cpp_f16"].weight_bytes) == pytest.approx(
+        269.03e6 + 29.49e6, rel=1e-4)
