@@ -19,6 +19,7 @@ joined at different times, hold different lengths or are idle share one program.
 whose position is negative (padding, or an idle row) leaves its row's slot as it was.
 """
 
+import functools
 from collections.abc import Callable
 
 import flax.struct
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from linnet_jax.models.config import Config
 from linnet_jax.models.lora import Lora
 from linnet_jax.models.params import LayerParams, Params
-from linnet_jax.ops import apply_rope, attention, inverse_frequencies, rms_norm, swiglu
+from linnet_jax.ops import apply_rope, attention, inverse_frequencies, matvec, rms_norm, swiglu
 
 
 @flax.struct.dataclass
@@ -62,13 +63,13 @@ def init_cache(config: Config, batch: int, max_len: int, dtype=None) -> KVCache:
     )
 
 
-def project_qkv(h: jax.Array, lp: LayerParams, config: Config, lora: Lora | None = None
+def project_qkv(h: jax.Array, lp: LayerParams, config: Config, lora: Lora | None = None, einsum=jnp.einsum
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Query, key and value heads of one layer: h [B, T, D] → q [B, T, H, K], k and v [B, T, G, K].
-    lora: one layer's adapters, added to the biased projections."""
-    q = jnp.einsum("btd,dhk->bthk", h, lp.wq)
-    k = jnp.einsum("btd,dgk->btgk", h, lp.wk)
-    v = jnp.einsum("btd,dgk->btgk", h, lp.wv)
+    lora: one layer's adapters, added to the biased projections; einsum: how products run (`forward`)."""
+    q = einsum("btd,dhk->bthk", h, lp.wq)
+    k = einsum("btd,dgk->btgk", h, lp.wk)
+    v = einsum("btd,dgk->btgk", h, lp.wv)
     if config.qkv_bias:
         q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
     if lora is not None:
@@ -126,13 +127,15 @@ def decoder_layer(
     cache: KVCache | None,
     segment_ids: jax.Array | None = None,
     lora: Lora | None = None,
+    *,
+    einsum=jnp.einsum,
 ) -> tuple[jax.Array, KVCache | None]:
     """One pre-norm block: x + attention(norm(x)), then + swiglu(norm(x)). x: [B, T, D].
-    segment_ids, lora: see `forward` (lora: this layer's slices)."""
+    segment_ids, lora: see `forward` (lora: this layer's slices); einsum: how the projections run."""
     rope_positions = jnp.maximum(positions, 0)
     inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
     with jax.named_scope("attention"):
-        q, k, v = project_qkv(rms_norm(x, lp.attn_norm, config.rms_norm_eps), lp, config, lora)
+        q, k, v = project_qkv(rms_norm(x, lp.attn_norm, config.rms_norm_eps), lp, config, lora, einsum)
         q = apply_rope(q, rope_positions, inv_freq)
         k = apply_rope(k, rope_positions, inv_freq)
         b, t, g, head_dim = k.shape
@@ -144,12 +147,12 @@ def decoder_layer(
             written = jnp.repeat(positions >= 0, g, axis=0)  # [N, T]
             cache, keys, values = update_cache(cache, layer, keys, values, written)
             mixed = attention(q, keys, values, rope_positions, cache.positions, window)
-        out = jnp.einsum("bthk,hkd->btd", mixed, lp.wo)
+        out = einsum("bthk,hkd->btd", mixed, lp.wo)
         out = out + lp.bo if config.o_bias else out
         x = x + (out if lora is None else lora.add(out, "wo", mixed))
     with jax.named_scope("mlp"):
         x = x + swiglu(rms_norm(x, lp.mlp_norm, config.rms_norm_eps), lp.w_gate, lp.w_up, lp.w_down,
-                       None if lora is None else lora.add)
+                       None if lora is None else lora.add, einsum)
     return x, cache
 
 
@@ -177,6 +180,7 @@ def forward(
     For training (no cache only): segment_ids [B, T] int, the document of each token in packed
     rows, so attention never crosses documents; lora, adapters on the projections (stacked on [L]);
     remat, recompute each layer's activations in the backward pass (`jax.checkpoint`).
+    Products run through `ops.matvec.einsum` when params.matvec (batch-1 decode on XLA:CPU), else jnp.einsum.
     Returns (float32 logits [B, T, V] or [B, 1, V], cache).
     """
     if cache is not None and (segment_ids is not None or remat):
@@ -186,8 +190,10 @@ def forward(
     x = constrain(jnp.take(params.embed, tokens, axis=0), activation)
     if cache is not None:
         cache = record_positions(cache, positions)
+    einsum = matvec.einsum if params.matvec else jnp.einsum
     if cache is not None or isinstance(params.layers, tuple):  # unrolled: window and layer are static ints
-        layer_fn = jax.checkpoint(decoder_layer, static_argnums=(2, 4, 5)) if remat else decoder_layer
+        layer = functools.partial(decoder_layer, einsum=einsum)
+        layer_fn = jax.checkpoint(layer, static_argnums=(2, 4, 5)) if remat else layer
         for layer in range(config.num_layers):
             adapters = None if lora is None else jax.tree.map(lambda w: w[layer], lora)  # noqa: B023
             x, cache = layer_fn(x, layer_params(params, layer), config, positions, config.layer_windows[layer],
@@ -208,7 +214,7 @@ def forward(
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
     head = params.embed if params.lm_head is None else params.lm_head
-    logits = jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
+    logits = einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
     return constrain(logits, ("batch", "seq", "vocab")), cache
 
 

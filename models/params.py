@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from linnet_jax.models.config import Config
+from linnet_jax.ops import matvec
 
 
 HOST_ALIGNMENT = 64  # bytes: what XLA:CPU needs to use a host buffer in place
@@ -53,10 +54,14 @@ class LayerParams:
 
 @flax.struct.dataclass
 class Params:
+    """All weights. matvec (static): send batch-1 float32 products to linnet's XLA:CPU kernels
+    (`ops.matvec`); only `decode_params` sets it, where the one switch says so."""
+
     embed: jax.Array = weight(("vocab", "embed"), "model.embed_tokens.weight")
     layers: LayerParams = None
     final_norm: jax.Array = weight(("embed",), "model.norm.weight")
     lm_head: jax.Array | None = weight(("vocab", "embed"), "lm_head.weight", when="untied")
+    matvec: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 def declared(tree: type) -> dict[str, dict]:
@@ -202,6 +207,8 @@ def flatten_params(tree: Params | LayerParams, prefix: str = "") -> dict[str, ja
     """
     flat = {}
     for field in dataclasses.fields(tree):
+        if not field.metadata.get("pytree_node", True):  # a static setting (Params.matvec), not a weight
+            continue
         value = getattr(tree, field.name)
         if field.name == "layers" and isinstance(value, tuple):  # unstacked layers (a shape is a tuple too)
             for i, layer in enumerate(value):
@@ -227,21 +234,25 @@ def unflatten_params(flat: dict[str, jax.Array]) -> Params:
 
 
 def unstacks_layers(platform: str) -> bool:
-    """The one hardware switch: whether the decode programs take per-layer weights (else the stacked ones).
+    """The one hardware switch: whether the decode programs take per-layer weights (else the stacked
+    ones), and, on one device, linnet's matrix-vector kernels for batch-1 products (`ops.matvec`).
 
     XLA:CPU copies a layer's slice of a stacked weight before each product, which costs more than the
     products themselves in decode (benchmarks/RESULTS.md), while per-layer views of the stacked
-    arrays cost it nothing (`unstack_layers`). GPUs and TPUs read the stacked weights inside the
-    program; unstacking there would copy them.
+    arrays cost it nothing (`unstack_layers`); and it runs small products on one core. GPUs and TPUs
+    read the stacked weights inside the program; unstacking there would copy them.
     """
     return platform == "cpu"
 
 
 def decode_params(params: Params) -> Params:
-    """The params the cached programs take on these params' platform: `unstack_layers` views where
-    `unstacks_layers`, else the stacked params themselves (nothing copied)."""
-    platform = next(iter(params.embed.devices())).platform
-    return unstack_layers(params) if unstacks_layers(platform) else params
+    """The params the cached programs take on these params' platform: where `unstacks_layers`,
+    `unstack_layers` views, with `matvec` set when the weights are on one device and the kernels are
+    built; elsewhere the stacked params themselves (nothing copied)."""
+    devices = params.embed.devices()
+    if not unstacks_layers(next(iter(devices)).platform):
+        return params
+    return unstack_layers(params).replace(matvec=len(devices) == 1 and matvec.available())
 
 
 def unstack_layers(params: Params) -> Params:

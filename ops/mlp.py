@@ -10,15 +10,16 @@ import jax.numpy as jnp
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-           adapt: Callable[[jax.Array, str, jax.Array], jax.Array] | None = None) -> jax.Array:
+           adapt: Callable[[jax.Array, str, jax.Array], jax.Array] | None = None, einsum=jnp.einsum) -> jax.Array:
     """down(silu(x @ gate) * (x @ up)).
 
     x: [B, T, D]; w_gate, w_up: [D, F]; w_down: [F, D]. Returns [B, T, D].
     adapt(output, name, input): optional, each projection's output changed given its input, by name
-    ("w_gate", "w_up", "w_down"); LoRA adds its low-rank term this way.
+    ("w_gate", "w_up", "w_down"); LoRA adds its low-rank term this way. einsum: how the products run
+    (jnp.einsum, or `ops.matvec.einsum`).
     """
     adapt = adapt or (lambda out, name, inputs: out)
-    gate = adapt(jnp.einsum("btd,df->btf", x, w_gate), "w_gate", x)
-    up = adapt(jnp.einsum("btd,df->btf", x, w_up), "w_up", x)
+    gate = adapt(einsum("btd,df->btf", x, w_gate), "w_gate", x)
+    up = adapt(einsum("btd,df->btf", x, w_up), "w_up", x)
     hidden = jax.nn.silu(gate) * up
-    return adapt(jnp.einsum("btf,fd->btd", hidden, w_down), "w_down", hidden)
+    return adapt(einsum("btf,fd->btd", hidden, w_down), "w_down", hidden)

@@ -1,0 +1,65 @@
+"""Batch-1 products on XLA:CPU through linnet's matrix-vector kernels (ops/cpu_kernels.cc, built by setup.py).
+
+XLA:CPU runs a product under ~2 MB (a small model's q, k, v and o projections) on one core, and the
+larger ones below the bandwidth two cores reach; the kernels split every product's rows across the
+calling thread and XLA's intra-op pool (benchmarks/RESULTS.md). `einsum` takes what `jnp.einsum` takes
+and sends a product with one row of float32 activations to a kernel, anything else to `jnp.einsum`.
+The decode params say whether to (`models.params.decode_params`, on the one switch's platform);
+exports and other platforms never see a kernel.
+"""
+
+import ctypes
+import functools
+import math
+import platform
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+TARGETS = {"linnet_xw": "LinnetXw", "linnet_wx": "LinnetWx"}  # FFI target: the library's handler symbol
+
+
+def cpu_has_vector_units() -> bool:
+    """Whether this CPU runs what setup.py compiled: AVX2 and FMA on x86-64 (anything elsewhere)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    return {"avx2", "fma"} <= set(flags.split())
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels are built, this CPU can run them, and they are registered with XLA:CPU."""
+    libraries = sorted(Path(__file__).parent.glob("_cpu_kernels*.so"))
+    if not libraries or not cpu_has_vector_units():
+        return False
+    library = ctypes.cdll.LoadLibrary(str(libraries[0]))
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    return True
+
+
+def einsum(spec: str, x: jax.Array, w: jax.Array, **options) -> jax.Array:
+    """jnp.einsum(spec, x, w, **options), through a kernel when x holds one row of float32 activations that
+    contracts its trailing axes with w's leading (x · w) or trailing (w · x) axes, w is float32 and the
+    output is x's free axes then w's."""
+    inputs, out = spec.split("->")
+    x_axes, w_axes = inputs.split(",")
+    contracted = "".join(axis for axis in x_axes if axis in w_axes and axis not in out)
+    rows, k = x_axes[:len(x_axes) - len(contracted)], len(contracted)
+    w_free = w_axes[k:] if w_axes.startswith(contracted) else w_axes[:-k] if w_axes.endswith(contracted) else None
+    plain = (not contracted or not x_axes.endswith(contracted) or w_free is None or out != rows + w_free
+             or math.prod(x.shape[:len(rows)]) != 1 or x.dtype != jnp.float32 or w.dtype != jnp.float32
+             or not available())
+    if plain:
+        return jnp.einsum(spec, x, w, **options)
+    width = math.prod(x.shape[len(rows):])
+    target = "linnet_xw" if w_axes.startswith(contracted) else "linnet_wx"
+    matrix = w.reshape(width, -1) if target == "linnet_xw" else w.reshape(-1, width)
+    size = matrix.shape[1] if target == "linnet_xw" else matrix.shape[0]
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((size,), jnp.float32))(x.reshape(width), matrix)
+    return y.reshape(*x.shape[:len(rows)], *w.shape[k:] if target == "linnet_xw" else w.shape[:-k])

@@ -1,0 +1,22 @@
+"""The one compiled part of linnet_jax: ops/cpu_kernels.cc, XLA:CPU matrix-vector kernels (ops/matvec.py).
+
+Everything else is in pyproject.toml. The kernels are optional: where they do not build, linnet_jax runs
+XLA's own products (`linnet_jax.ops.matvec.available()` says which).
+"""
+
+import platform
+
+import jax
+from setuptools import Extension, setup
+
+# x86-64: AVX2 and FMA (ops/matvec.py uses the kernels only on a CPU that has them); elsewhere the default.
+VECTOR_FLAGS = ["-mavx2", "-mfma"] if platform.machine().lower() in ("x86_64", "amd64") else []
+
+setup(ext_modules=[Extension(
+    "linnet_jax.ops._cpu_kernels",
+    sources=["ops/cpu_kernels.cc"],
+    include_dirs=[jax.ffi.include_dir()],
+    extra_compile_args=["-std=c++17", "-O3", *VECTOR_FLAGS],
+    language="c++",
+    optional=True,
+)])

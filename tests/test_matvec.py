@@ -1,0 +1,116 @@
+"""ops.matvec: linnet's XLA:CPU matrix-vector kernels (ops/cpu_kernels.cc) give what jnp.einsum gives, run
+exactly where the decode params ask for them (batch-1 products on one CPU device), and never reach an export."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import linnet_jax
+from linnet_jax.models.params import decode_params, unstack_layers
+from linnet_jax.ops import matvec
+
+from test_unrolled import prefill_then_decode
+
+# Every product of a decode step (SmolLM2's shapes), an odd-sized one, and the head stored [vocab, embed].
+KERNEL_CASES = [
+    ("btd,dhk->bthk", (1, 1, 576), (576, 9, 64)),
+    ("btd,dgk->btgk", (1, 1, 576), (576, 3, 64)),
+    ("bthk,hkd->btd", (1, 1, 9, 64), (9, 64, 576)),
+    ("btd,df->btf", (1, 1, 576), (576, 1536)),
+    ("btf,fd->btd", (1, 1, 1536), (1536, 576)),
+    ("btd,vd->btv", (1, 1, 576), (49152, 576)),
+    ("btd,df->btf", (1, 1, 67), (67, 13)),
+    ("btd,vd->btv", (1, 1, 67), (13, 67)),
+]
+# What stays with jnp.einsum: several rows, narrow weights, a contraction the kernels do not take.
+PLAIN_CASES = [
+    ("btd,df->btf", (2, 1, 64), (64, 32), jnp.float32),
+    ("btd,vd->btv", (1, 3, 64), (100, 64), jnp.float32),
+    ("btd,df->btf", (1, 1, 64), (64, 32), jnp.bfloat16),
+    ("ntk,nsk->nts", (1, 1, 64), (1, 16, 64), jnp.float32),
+]
+
+
+def jitted(spec: str):
+    return jax.jit(lambda x, w: matvec.einsum(spec, x, w))
+
+
+def test_the_kernels_are_built_and_registered():
+    assert matvec.available(), "ops/_cpu_kernels*.so is missing: `pip install -e .` builds it (needs g++)"
+
+
+@pytest.mark.parametrize("spec,x_shape,w_shape", KERNEL_CASES)
+def test_a_kernel_product_equals_einsum(spec, x_shape, w_shape):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal(x_shape, dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal(w_shape, dtype=np.float32))
+    assert "linnet_" in jitted(spec).lower(x, w).as_text()  # the product is the kernel's
+    got, expected = jitted(spec)(x, w), jnp.einsum(spec, x, w, precision="highest")
+    assert got.shape == expected.shape and got.dtype == jnp.float32
+    scale = float(jnp.abs(expected).max())
+    assert float(jnp.abs(got - expected).max()) < 1e-5 * scale * np.sqrt(x.size)
+
+
+@pytest.mark.parametrize("spec,x_shape,w_shape,dtype", PLAIN_CASES)
+def test_other_products_stay_with_einsum(spec, x_shape, w_shape, dtype):
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal(x_shape, dtype=np.float32)).astype(dtype)
+    w = jnp.asarray(rng.standard_normal(w_shape, dtype=np.float32)).astype(dtype)
+    assert "custom_call" not in jitted(spec).lower(x, w).as_text()
+    np.testing.assert_array_equal(np.asarray(jitted(spec)(x, w)), np.asarray(jax.jit(
+        lambda x, w: jnp.einsum(spec, x, w))(x, w)))
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3", "mistral_sliding", "qwen2_bias_tied", "qwen3_qk_norm"])
+def test_decoding_through_the_kernels_equals_decoding_without(name, tiny_dir):
+    """Batch 1, a prefill then one token at a time: the kernels' logits are einsum's, to float32 rounding."""
+    model = linnet_jax.load(tiny_dir(name)[1], progress=False)
+    params = decode_params(model.params)
+    assert params.matvec and not unstack_layers(model.params).matvec
+    ids = np.random.default_rng(4).integers(0, model.config.vocab_size, (1, 30))
+    positions = np.arange(30)[None]
+    got = prefill_then_decode(model, params, ids, positions, prefill=20)
+    expected = prefill_then_decode(model, params.replace(matvec=False), ids, positions, prefill=20)
+    assert np.abs(got - expected).max() < 1e-5
+
+
+def test_generate_on_smollm2_runs_the_kernels(smollm2):
+    """The default path: `generate`'s decode program calls the kernels, and its greedy tokens are the ones
+    XLA's own products give."""
+    from linnet_jax.decode import decode
+    from linnet_jax.generate import new_slots
+
+    assert smollm2.decode_params.matvec
+    program = decode.lower(smollm2.decode_params, smollm2.config, new_slots(smollm2, 1, 64), np.int32(4), 4).as_text()
+    assert "linnet_xw" in program and "linnet_wx" in program
+    plain = dataclasses.replace(smollm2)
+    plain.__dict__["decode_params"] = smollm2.decode_params.replace(matvec=False)  # the cached property, preset
+    prompt = "The three primary colors are"
+    kernels = linnet_jax.generate(smollm2, prompt, max_new_tokens=24, return_details=True)
+    einsum = linnet_jax.generate(plain, prompt, max_new_tokens=24, return_details=True)
+    assert kernels.tokens == einsum.tokens
+    assert np.abs(np.asarray(kernels.logprobs) - np.asarray(einsum.logprobs)).max() < 1e-3
+
+
+def test_params_on_a_mesh_keep_einsum(shardable_dir):
+    """The kernels take whole arrays on one device: weights sharded over eight CPU devices keep XLA's products."""
+    script = f"""
+import numpy as np, linnet_jax
+from linnet_jax import sharding
+model = linnet_jax.load({str(shardable_dir)!r}, mesh=sharding.mesh(data=2, tensor=4), progress=False)
+assert not model.decode_params.matvec
+one = linnet_jax.load({str(shardable_dir)!r}, progress=False)
+assert one.decode_params.matvec
+ids = [[3, 14, 15, 9, 2, 6]]
+assert linnet_jax.generate(model, tokens=ids, max_new_tokens=6) == linnet_jax.generate(one, tokens=ids, max_new_tokens=6)
+"""
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=os.environ | env)
+    assert done.returncode == 0, done.stderr[-3000:]
