@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from linnet_jax.models.config import Config
 from linnet_jax.models.lora import Lora
 from linnet_jax.models.params import LayerParams, Params
-from linnet_jax.ops import apply_rope, attention, inverse_frequencies, matvec, rms_norm, swiglu
+from linnet_jax.ops import apply_rope, attention, inverse_frequencies, rms_norm, swiglu
 
 
 @flax.struct.dataclass
@@ -180,7 +180,7 @@ def forward(
     For training (no cache only): segment_ids [B, T] int, the document of each token in packed
     rows, so attention never crosses documents; lora, adapters on the projections (stacked on [L]);
     remat, recompute each layer's activations in the backward pass (`jax.checkpoint`).
-    Products run through `ops.matvec.einsum` when params.matvec (batch-1 decode on XLA:CPU), else jnp.einsum.
+    Products run through params.einsum (jnp.einsum, or `ops.matvec.einsum` for decode on XLA:CPU).
     Returns (float32 logits [B, T, V] or [B, 1, V], cache).
     """
     if cache is not None and (segment_ids is not None or remat):
@@ -190,7 +190,7 @@ def forward(
     x = constrain(jnp.take(params.embed, tokens, axis=0), activation)
     if cache is not None:
         cache = record_positions(cache, positions)
-    einsum = matvec.einsum if params.matvec else jnp.einsum
+    einsum = params.einsum
     if cache is not None or isinstance(params.layers, tuple):  # unrolled: window and layer are static ints
         layer = functools.partial(decoder_layer, einsum=einsum)
         layer_fn = jax.checkpoint(layer, static_argnums=(2, 4, 5)) if remat else layer

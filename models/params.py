@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from linnet_jax.models.config import Config
@@ -54,14 +55,14 @@ class LayerParams:
 
 @flax.struct.dataclass
 class Params:
-    """All weights. matvec (static): send batch-1 float32 products to linnet's XLA:CPU kernels
-    (`ops.matvec`); only `decode_params` sets it, where the one switch says so."""
+    """All weights, and einsum (static): the function the model's products run through, jnp.einsum or,
+    from `decode_params` where the one switch says so, `ops.matvec.einsum` (linnet's XLA:CPU kernels)."""
 
     embed: jax.Array = weight(("vocab", "embed"), "model.embed_tokens.weight")
     layers: LayerParams = None
     final_norm: jax.Array = weight(("embed",), "model.norm.weight")
     lm_head: jax.Array | None = weight(("vocab", "embed"), "lm_head.weight", when="untied")
-    matvec: bool = flax.struct.field(pytree_node=False, default=False)
+    einsum: Callable = dataclasses.field(default=jnp.einsum, metadata=dict(pytree_node=False, static=True))
 
 
 def declared(tree: type) -> dict[str, dict]:
@@ -207,7 +208,7 @@ def flatten_params(tree: Params | LayerParams, prefix: str = "") -> dict[str, ja
     """
     flat = {}
     for field in dataclasses.fields(tree):
-        if not field.metadata.get("pytree_node", True):  # a static setting (Params.matvec), not a weight
+        if not field.metadata.get("pytree_node", True):  # a static setting (Params.einsum), not a weight
             continue
         value = getattr(tree, field.name)
         if field.name == "layers" and isinstance(value, tuple):  # unstacked layers (a shape is a tuple too)
@@ -247,12 +248,13 @@ def unstacks_layers(platform: str) -> bool:
 
 def decode_params(params: Params) -> Params:
     """The params the cached programs take on these params' platform: where `unstacks_layers`,
-    `unstack_layers` views, with `matvec` set when the weights are on one device and the kernels are
-    built; elsewhere the stacked params themselves (nothing copied)."""
+    `unstack_layers` views, their products through `ops.matvec.einsum` when the weights are on one device
+    and the kernels are built; elsewhere the stacked params themselves (nothing copied)."""
     devices = params.embed.devices()
     if not unstacks_layers(next(iter(devices)).platform):
         return params
-    return unstack_layers(params).replace(matvec=len(devices) == 1 and matvec.available())
+    kernels = len(devices) == 1 and matvec.available()
+    return unstack_layers(params).replace(einsum=matvec.einsum if kernels else jnp.einsum)
 
 
 def unstack_layers(params: Params) -> Params:

@@ -4,8 +4,8 @@ XLA:CPU runs a product under ~2 MB (a small model's q, k, v and o projections) o
 larger ones below the bandwidth two cores reach; the kernels split every product's rows across the
 calling thread and XLA's intra-op pool (benchmarks/RESULTS.md). `einsum` takes what `jnp.einsum` takes
 and sends a product with one row of float32 activations to a kernel, anything else to `jnp.einsum`.
-The decode params say whether to (`models.params.decode_params`, on the one switch's platform);
-exports and other platforms never see a kernel.
+The decode params choose it (`Params.einsum`, set by `models.params.decode_params` on the one
+switch's platform); exports and other platforms never see a kernel.
 """
 
 import ctypes

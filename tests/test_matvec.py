@@ -72,11 +72,11 @@ def test_decoding_through_the_kernels_equals_decoding_without(name, tiny_dir):
     """Batch 1, a prefill then one token at a time: the kernels' logits are einsum's, to float32 rounding."""
     model = linnet_jax.load(tiny_dir(name)[1], progress=False)
     params = decode_params(model.params)
-    assert params.matvec and not unstack_layers(model.params).matvec
+    assert params.einsum is matvec.einsum and unstack_layers(model.params).einsum is jnp.einsum
     ids = np.random.default_rng(4).integers(0, model.config.vocab_size, (1, 30))
     positions = np.arange(30)[None]
     got = prefill_then_decode(model, params, ids, positions, prefill=20)
-    expected = prefill_then_decode(model, params.replace(matvec=False), ids, positions, prefill=20)
+    expected = prefill_then_decode(model, params.replace(einsum=jnp.einsum), ids, positions, prefill=20)
     assert np.abs(got - expected).max() < 1e-5
 
 
@@ -86,11 +86,11 @@ def test_generate_on_smollm2_runs_the_kernels(smollm2):
     from linnet_jax.decode import decode
     from linnet_jax.generate import new_slots
 
-    assert smollm2.decode_params.matvec
+    assert smollm2.decode_params.einsum is matvec.einsum
     program = decode.lower(smollm2.decode_params, smollm2.config, new_slots(smollm2, 1, 64), np.int32(4), 4).as_text()
     assert "linnet_xw" in program and "linnet_wx" in program
     plain = dataclasses.replace(smollm2)
-    plain.__dict__["decode_params"] = smollm2.decode_params.replace(matvec=False)  # the cached property, preset
+    plain.__dict__["decode_params"] = smollm2.decode_params.replace(einsum=jnp.einsum)  # the cached property, preset
     prompt = "The three primary colors are"
     kernels = linnet_jax.generate(smollm2, prompt, max_new_tokens=24, return_details=True)
     einsum = linnet_jax.generate(plain, prompt, max_new_tokens=24, return_details=True)
@@ -104,9 +104,10 @@ def test_params_on_a_mesh_keep_einsum(shardable_dir):
 import numpy as np, linnet_jax
 from linnet_jax import sharding
 model = linnet_jax.load({str(shardable_dir)!r}, mesh=sharding.mesh(data=2, tensor=4), progress=False)
-assert not model.decode_params.matvec
+from linnet_jax.ops import matvec
+assert model.decode_params.einsum is not matvec.einsum
 one = linnet_jax.load({str(shardable_dir)!r}, progress=False)
-assert one.decode_params.matvec
+assert one.decode_params.einsum is matvec.einsum
 ids = [[3, 14, 15, 9, 2, 6]]
 assert linnet_jax.generate(model, tokens=ids, max_new_tokens=6) == linnet_jax.generate(one, tokens=ids, max_new_tokens=6)
 """
