@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -56,17 +57,28 @@ void DotRows(const float* x, const float* w, float* y, int64_t k, int64_t r0, in
   }
 }
 
-// Runs part(i) for i in 0..parts-1: part 0 on this thread, the others on the pool; returns when all are done.
+// Runs part(i) for i in 0..parts-1 and returns when all are done. This thread and parts-1 pool tasks each
+// claim the next unclaimed part until none is left, so this thread only ever waits for parts that another
+// thread is running: when the pool is busy (or runs several products at once) it does them all itself.
+struct Progress {
+  std::atomic<int64_t> next{0}, done{0};
+};
+
 template <typename Part>
-void RunParts(ffi::ThreadPool& pool, int64_t parts, Part part) {
-  std::atomic<int64_t> pending{parts - 1};
-  for (int64_t i = 1; i < parts; ++i)
-    pool.Schedule([&, i] {
+void RunParts(ffi::ThreadPool& pool, int64_t parts, const Part& part) {
+  auto progress = std::make_shared<Progress>();  // shared: a task may start after this call returned
+  auto work = [progress, parts, part] {
+    for (int64_t i; (i = progress->next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
       part(i);
-      pending.fetch_sub(1, std::memory_order_release);
-    });
-  part(0);
-  while (pending.load(std::memory_order_acquire) != 0) {
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t i = 1; i < parts; ++i) {
+    auto task = work;
+    pool.Schedule(std::move(task));
+  }
+  work();
+  while (progress->done.load(std::memory_order_acquire) < parts) {
 #if defined(__x86_64__)
     __builtin_ia32_pause();
 #endif
@@ -85,7 +97,7 @@ ffi::Error Xw(ffi::ThreadPool pool, Vector x, Matrix w, VectorResult y) {
   thread_local std::vector<float> scratch;  // the caller's: parts 1.. accumulate here, then into y
   scratch.resize((parts - 1) * n);
   float *out = y->typed_data(), *partials = scratch.data();
-  RunParts(pool, parts, [&](int64_t i) {
+  RunParts(pool, parts, [&](int64_t i) {  // part 0 into y, part i > 0 into partials
     AccumulateRows(x.typed_data(), w.typed_data(), i == 0 ? out : partials + (i - 1) * n, n, i * step,
                    std::min(k, (i + 1) * step));
   });
