@@ -190,10 +190,9 @@ def forward(
     x = constrain(jnp.take(params.embed, tokens, axis=0), activation)
     if cache is not None:
         cache = record_positions(cache, positions)
-    einsum = params.einsum
     if cache is not None or isinstance(params.layers, tuple):  # unrolled: window and layer are static ints
-        layer = functools.partial(decoder_layer, einsum=einsum)
-        layer_fn = jax.checkpoint(layer, static_argnums=(2, 4, 5)) if remat else layer
+        layer_fn = functools.partial(decoder_layer, einsum=params.einsum)
+        layer_fn = jax.checkpoint(layer_fn, static_argnums=(2, 4, 5)) if remat else layer_fn
         for layer in range(config.num_layers):
             adapters = None if lora is None else jax.tree.map(lambda w: w[layer], lora)  # noqa: B023
             x, cache = layer_fn(x, layer_params(params, layer), config, positions, config.layer_windows[layer],
@@ -214,7 +213,7 @@ def forward(
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
     head = params.embed if params.lm_head is None else params.lm_head
-    logits = einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
+    logits = params.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
     return constrain(logits, ("batch", "seq", "vocab")), cache
 
 

@@ -51,15 +51,16 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, **options) -> jax.Array:
     x_axes, w_axes = inputs.split(",")
     contracted = "".join(axis for axis in x_axes if axis in w_axes and axis not in out)
     rows, k = x_axes[:len(x_axes) - len(contracted)], len(contracted)
-    w_free = w_axes[k:] if w_axes.startswith(contracted) else w_axes[:-k] if w_axes.endswith(contracted) else None
-    plain = (not contracted or not x_axes.endswith(contracted) or w_free is None or out != rows + w_free
+    input_first = bool(contracted) and w_axes.startswith(contracted)  # w[K, ...]; else w[..., K] or neither
+    w_free = w_axes[k:] if input_first else w_axes[:-k] if contracted and w_axes.endswith(contracted) else None
+    plain = (w_free is None or not x_axes.endswith(contracted) or out != rows + w_free
              or math.prod(x.shape[:len(rows)]) != 1 or x.dtype != jnp.float32 or w.dtype != jnp.float32
              or not available())
     if plain:
         return jnp.einsum(spec, x, w, **options)
     width = math.prod(x.shape[len(rows):])
-    target = "linnet_xw" if w_axes.startswith(contracted) else "linnet_wx"
-    matrix = w.reshape(width, -1) if target == "linnet_xw" else w.reshape(-1, width)
-    size = matrix.shape[1] if target == "linnet_xw" else matrix.shape[0]
-    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((size,), jnp.float32))(x.reshape(width), matrix)
-    return y.reshape(*x.shape[:len(rows)], *w.shape[k:] if target == "linnet_xw" else w.shape[:-k])
+    free_shape = w.shape[k:] if input_first else w.shape[:-k]
+    matrix = w.reshape(width, -1) if input_first else w.reshape(-1, width)
+    y = jax.ffi.ffi_call("linnet_xw" if input_first else "linnet_wx",
+                         jax.ShapeDtypeStruct((math.prod(free_shape),), jnp.float32))(x.reshape(width), matrix)
+    return y.reshape(*x.shape[:len(rows)], *free_shape)
