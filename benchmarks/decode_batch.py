@@ -26,7 +26,8 @@ def filled_state(model, batch: int, prompt: int, new: int, max_len: int):
     request = make_requests(make_sampling(1, 0.0, 0, 1.0, 0.0, 1.0, 0), stop_id_array(model, None, True), new)
     for row in range(batch):
         tokens, positions = left_pad([rng.integers(0, model.config.vocab_size, prompt).tolist()], bucket(prompt))
-        slots = insert(prefill(model.decode_params, model.config, tokens, positions, request, max_len), slots, row)
+        prefix = prefill(model.decode_params, model.config, tokens, positions, request, max_len, plan=model.plan)
+        slots = insert(prefix, slots, row)
     return slots
 
 
@@ -34,12 +35,13 @@ def measure(model, batch: int, prompt: int, new: int) -> dict:
     max_len, steps = bucket(prompt + new), new - 1
     slots = filled_state(model, batch, prompt, new, max_len)
     start = time.perf_counter()
-    decode.lower(model.decode_params, model.config, slots, np.int32(steps), bucket(steps)).compile()
+    decode.lower(model.decode_params, model.config, slots, np.int32(steps), bucket(steps), plan=model.plan).compile()
     compile_s = time.perf_counter() - start
-    jax.block_until_ready(decode(model.decode_params, model.config, slots, np.int32(steps), bucket(steps)))
+    jax.block_until_ready(decode(model.decode_params, model.config, slots, np.int32(steps), bucket(steps),
+                                 plan=model.plan))
     slots = filled_state(model, batch, prompt, new, max_len)  # the warm-up consumed (donated) the first
     start = time.perf_counter()
-    slots, emitted = decode(model.decode_params, model.config, slots, np.int32(steps), bucket(steps))
+    slots, emitted = decode(model.decode_params, model.config, slots, np.int32(steps), bucket(steps), plan=model.plan)
     jax.block_until_ready(emitted)
     wall = time.perf_counter() - start
     assert (np.asarray(emitted.count) == steps).all()

@@ -236,15 +236,13 @@ def linnet_model(protocol: Protocol):
 def section_batch1(args: argparse.Namespace, protocol: Protocol) -> dict:
     """linnet_jax.generate, batch 1, timed by `measure_generate`."""
     import linnet_jax
-    from linnet_jax.models.params import unstacks_layers
 
     setup_s, model = linnet_model(protocol)
     ids = prompt_ids(protocol)
     generate = lambda n: linnet_jax.generate(model, tokens=ids, max_new_tokens=n, ignore_eos=True)  # noqa: E731
-    platform_name = next(iter(model.params.embed.devices())).platform
-    layers = "per-layer views" if unstacks_layers(platform_name) else "the stacked weights"
+    layers = "per-layer views" if model.plan.unstacked_layers else "the stacked weights"
     result = measure_generate(generate, protocol, sync=lambda: None, compiles=compile_counter())
-    notes = [f"the cached programs take {layers} on {platform_name} (models.params.unstacks_layers)"]
+    notes = [f"the cached programs take {layers} under {model.plan} (linnet_jax.backend)"]
     return {**result, "setup_s": setup_s, **jax_device_report(), "notes": notes + result["notes"]}
 
 

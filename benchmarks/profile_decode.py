@@ -3,8 +3,8 @@
 SmolLM2-135M-Instruct float32 (the embedded default), batch 1, a cache of 1024 slots holding a
 512-token prompt (random ids 100..40000, seed 0), greedy, eos ignored. Each variant runs the
 decode core's own programs (`linnet_jax.decode`): `prefill` and `insert`, then `decode` (the
-on-device while_loop) timed over --steps steps, with the weights as the platform switch
-(`models.params.unstacks_layers`) gives them: per-layer views (XLA:CPU's choice) or the stacked
+on-device while_loop) timed over --steps steps, with the weights as the hardware plan
+(`linnet_jax.backend.Plan.unstacked_layers`) gives them: per-layer views (XLA:CPU's choice) or the stacked
 arrays sliced inside the program (GPUs' and TPUs'). The variants are interleaved run by run, and
 the median is reported. --profile lists the XLA ops of one decode call of each variant, summed by
 op name. --products times each of a layer's matrix-vector products alone, read from memory as decode
@@ -42,7 +42,7 @@ KERNELS = {"XLA:CPU default": None,
 def variants(model):
     """name -> params, for each way the switch can hand the weights to the programs."""
     return {"stacked (GPU/TPU: sliced in the program)": model.params,
-            "per-layer views (XLA:CPU, unstack_layers)": unstack_layers(model.params)}
+            "per-layer views (XLA:CPU, unstack_layers)": unstack_layers(model.params, views=True)}
 
 
 def prefilled(model, params, steps):

@@ -17,7 +17,7 @@ LAZY_SUBMODULES = ("export", "decode", "gguf", "tokenizer", "cli", "serve", "tra
 
 __all__ = [
     "DEFAULT_MODEL", "Generation", "Model", "__version__", "enable_compilation_cache", "export", "generate", "load",
-    "logits", "save", "shard",
+    "logits", "lowered", "save", "shard",
 ]
 
 
@@ -25,4 +25,7 @@ def __getattr__(name: str):
     """`linnet_jax.export` (and the other submodules) on first use, so that importing linnet_jax stays light."""
     if name in LAZY_SUBMODULES:
         return importlib.import_module(f"linnet_jax.{name}")
+    if name == "lowered":
+        from linnet_jax.lowering import lowered
+        return lowered
     raise AttributeError(f"module 'linnet_jax' has no attribute {name!r}")

@@ -112,17 +112,18 @@ def choose(slots: Slots, logits: jax.Array, max_len: int, top: bool) -> Slots:
     )
 
 
-@functools.partial(jax.jit, static_argnums=(1, 5, 6))
+@functools.partial(jax.jit, static_argnums=(1, 5, 6, 7))
 def prefill(params: Params, config: Config, tokens: jax.Array, positions: jax.Array, request: Request,
-            max_len: int, constrain=None) -> Slots:
+            max_len: int, constrain=None, plan=None) -> Slots:
     """One request's prompt, left-padded to a bucket T (tokens, positions [1, T]; position -1 at padding),
     through a cache of its own T slots; its first token chosen (with its top logprobs). max_len: the slots of the state it will
-    join (a prompt that fills them finishes at once with LENGTH). constrain: forward's sharding constraints."""
+    join (a prompt that fills them finishes at once with LENGTH). constrain: forward's sharding constraints;
+    plan: the hardware plan (`linnet_jax.backend.Plan`) the params were made for (`Model.plan`)."""
     TRACES["prefill"] += 1
     length = tokens.shape[1]
     cache = init_cache(config, 1, length, params.embed.dtype)
     logits, cache = forward(params, config, tokens, positions, cache, logits_at=jnp.full((1,), length - 1),
-                            constrain=constrain)
+                            constrain=constrain, plan=plan)
     seen = jnp.zeros((1, config.vocab_size), bool).at[0, tokens[0]].max(positions[0] >= 0)
     prompt = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
     zero = jnp.zeros((1,), jnp.int32)
@@ -169,14 +170,14 @@ def insert(prefix: Slots, slots: Slots, slot: jax.Array) -> Slots:
     return rows.replace(cache=cache, finish=finish)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 4, 5, 6), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(1, 4, 5, 6, 7), donate_argnums=(2,))
 def decode(params: Params, config: Config, slots: Slots, steps: jax.Array, out_len: int,
-           constrain=None, top: bool = False) -> tuple[Slots, Emitted]:
+           constrain=None, top: bool = False, plan=None) -> tuple[Slots, Emitted]:
     """Up to `steps` (≤ out_len) single-token steps over every running row, until none is running.
 
     Each step feeds every running row its last token at position length - 1; other rows feed position
     -1, which writes nothing and is masked. Returns the state and what each row emitted (with each
-    token's TOP_LOGPROBS most likely alternatives when `top`)."""
+    token's TOP_LOGPROBS most likely alternatives when `top`). plan: as `prefill`'s."""
     TRACES["decode"] += 1
     batch = slots.token.shape[0]
     start = slots.count
@@ -185,7 +186,8 @@ def decode(params: Params, config: Config, slots: Slots, steps: jax.Array, out_l
         slots, out, i = carry
         running = slots.finish == RUNNING
         positions = jnp.where(running, slots.length - 1, -1)[:, None]
-        logits, cache = forward(params, config, slots.token[:, None], positions, slots.cache, constrain=constrain)
+        logits, cache = forward(params, config, slots.token[:, None], positions, slots.cache, constrain=constrain,
+                                plan=plan)
         slots = choose(slots.replace(cache=cache), logits[:, 0], slots.cache.max_len, top)
         columns = (slots.token, slots.logprob, slots.top_ids, slots.top_logprobs)
         out = tuple(jax.lax.dynamic_update_index_in_dim(buffer, column, i, 1) for buffer, column in zip(out, columns))

@@ -248,7 +248,7 @@ def run(model: Model, prompts: list[list[int]], requests: Request, max_len: int,
     for row, prompt in enumerate(prompts):
         tokens, positions = left_pad([prompt], bucket(len(prompt)))
         request = jax.tree.map(lambda column: column[row:row + 1], requests)
-        slots = insert(prefill(params, config, tokens, positions, request, max_len), slots, row)
+        slots = insert(prefill(params, config, tokens, positions, request, max_len, plan=model.plan), slots, row)
     rows = Rows(tokens=[[t] for t in host(slots.token).tolist()], logprobs=[[p] for p in host(slots.logprob).tolist()],
                 finish=host(slots.finish))
     yield rows
@@ -256,7 +256,7 @@ def run(model: Model, prompts: list[list[int]], requests: Request, max_len: int,
     steps = max_new - 1 if chunk is None else chunk
     out_len = bucket(steps) if chunk is None else chunk
     while rows.running():
-        slots, emitted = decode(params, config, slots, np.int32(steps), out_len, constrain)
+        slots, emitted = decode(params, config, slots, np.int32(steps), out_len, constrain, plan=model.plan)
         tokens, logprobs, counts = host(emitted.tokens), host(emitted.logprobs), host(emitted.count)
         for row, count in enumerate(counts):
             rows.tokens[row] += tokens[row, :count].tolist()

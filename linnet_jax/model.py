@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from linnet_jax.backend import Plan, decode_params, plan_for
 from linnet_jax.models import Config, Params, forward
-from linnet_jax.models.params import decode_params
 from linnet_jax.sharding import put
 
 if TYPE_CHECKING:
@@ -28,10 +28,15 @@ class Model:
     layout: "Layout | None" = None
 
     @functools.cached_property
+    def plan(self) -> Plan:
+        """The hardware plan for the devices the params lie on (`linnet_jax.backend`). Made once."""
+        return plan_for(self.params)
+
+    @functools.cached_property
     def decode_params(self) -> Params:
-        """The params the cached programs (prefill, decode) take on this platform (`models.params.decode_params`):
+        """The params the cached programs (prefill, decode) take under the plan (`backend.decode_params`):
         per-layer views of the weights on the CPU, the stacked weights themselves elsewhere. Made once."""
-        return decode_params(self.params)
+        return decode_params(self.params, self.plan)
 
     def __repr__(self) -> str:
         c = self.config

@@ -8,8 +8,8 @@ run under `lax.scan` over the stacked weights, so compile time and program size 
 depth. With a cache they are unrolled, each layer reading its own key and value arrays: on every
 platform a step then reads each layer's cache where it lies (a slice of a stacked cache is a copy
 on XLA:CPU). The weights come stacked (each layer's slice taken inside the program, as GPUs and
-TPUs read them) or as per-layer arrays (`unstack_layers`, what XLA:CPU wants: the one switch,
-`models.params.unstacks_layers`).
+TPUs read them) or as per-layer arrays (`unstack_layers`, what XLA:CPU wants: the one plan,
+`linnet_jax.backend.Plan`, says which).
 
 The cache is a ring of S slots per row with one write cursor shared by every row: the T new
 tokens of every row go to slots cursor .. cursor + T - 1 (mod S), so a step writes each layer's
@@ -168,6 +168,7 @@ def forward(
     segment_ids: jax.Array | None = None,
     lora: Lora | None = None,
     remat: bool = False,
+    plan=None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Logits of the next token at each new position, and the updated cache.
 
@@ -180,7 +181,8 @@ def forward(
     For training (no cache only): segment_ids [B, T] int, the document of each token in packed
     rows, so attention never crosses documents; lora, adapters on the projections (stacked on [L]);
     remat, recompute each layer's activations in the backward pass (`jax.checkpoint`).
-    Products run through params.einsum (jnp.einsum, or `ops.matvec.einsum` for decode on XLA:CPU).
+    plan: the hardware plan (`linnet_jax.backend.Plan`, hashable: static under jit); its einsum is what the
+    products run through (`ops.matvec.einsum` for decode on XLA:CPU). None: jnp.einsum.
     Returns (float32 logits [B, T, V] or [B, 1, V], cache).
     """
     if cache is not None and (segment_ids is not None or remat):
@@ -190,8 +192,9 @@ def forward(
     x = constrain(jnp.take(params.embed, tokens, axis=0), activation)
     if cache is not None:
         cache = record_positions(cache, positions)
+    einsum = jnp.einsum if plan is None else plan.einsum
+    layer_fn = functools.partial(decoder_layer, einsum=einsum)
     if cache is not None or isinstance(params.layers, tuple):  # unrolled: window and layer are static ints
-        layer_fn = functools.partial(decoder_layer, einsum=params.einsum)
         layer_fn = jax.checkpoint(layer_fn, static_argnums=(2, 4, 5)) if remat else layer_fn
         for layer in range(config.num_layers):
             adapters = None if lora is None else jax.tree.map(lambda w: w[layer], lora)  # noqa: B023
@@ -199,7 +202,7 @@ def forward(
                                 layer, cache, segment_ids, adapters)
             x = constrain(x, activation)
     else:
-        layer_fn = jax.checkpoint(decoder_layer, static_argnums=(2, 5)) if remat else decoder_layer
+        layer_fn = jax.checkpoint(layer_fn, static_argnums=(2, 5)) if remat else layer_fn
 
         def body(x, layer_inputs):
             lp, window, adapters = layer_inputs
@@ -213,7 +216,7 @@ def forward(
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
     head = params.embed if params.lm_head is None else params.lm_head
-    logits = params.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
+    logits = einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
     return constrain(logits, ("batch", "seq", "vocab")), cache
 
 

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from linnet_jax.models.config import Config
-from linnet_jax.ops import matvec
 
 
 HOST_ALIGNMENT = 64  # bytes: what XLA:CPU needs to use a host buffer in place
@@ -55,14 +54,13 @@ class LayerParams:
 
 @flax.struct.dataclass
 class Params:
-    """All weights, and einsum (static): the function the model's products run through, jnp.einsum or,
-    from `decode_params` where the one switch says so, `ops.matvec.einsum` (linnet's XLA:CPU kernels)."""
+    """All weights: the embedding, the decoder layers (stacked, or a tuple of per-layer LayerParams), the
+    final norm and, when untied, the lm head."""
 
     embed: jax.Array = weight(("vocab", "embed"), "model.embed_tokens.weight")
     layers: LayerParams = None
     final_norm: jax.Array = weight(("embed",), "model.norm.weight")
     lm_head: jax.Array | None = weight(("vocab", "embed"), "lm_head.weight", when="untied")
-    einsum: Callable = dataclasses.field(default=jnp.einsum, metadata=dict(pytree_node=False, static=True))
 
 
 def declared(tree: type) -> dict[str, dict]:
@@ -208,8 +206,6 @@ def flatten_params(tree: Params | LayerParams, prefix: str = "") -> dict[str, ja
     """
     flat = {}
     for field in dataclasses.fields(tree):
-        if not field.metadata.get("pytree_node", True):  # a static setting (Params.einsum), not a weight
-            continue
         value = getattr(tree, field.name)
         if field.name == "layers" and isinstance(value, tuple):  # unstacked layers (a shape is a tuple too)
             for i, layer in enumerate(value):
@@ -234,42 +230,18 @@ def unflatten_params(flat: dict[str, jax.Array]) -> Params:
     return Params(layers=tuple(LayerParams(**fields) for fields in per_layer), **top)
 
 
-def unstacks_layers(platform: str) -> bool:
-    """The one hardware switch: whether the decode programs take per-layer weights (else the stacked
-    ones), and, on one device, linnet's matrix-vector kernels for batch-1 products (`ops.matvec`).
-
-    XLA:CPU copies a layer's slice of a stacked weight before each product, which costs more than the
-    products themselves in decode (benchmarks/RESULTS.md), while per-layer views of the stacked
-    arrays cost it nothing (`unstack_layers`); and it runs small products on one core. GPUs and TPUs
-    read the stacked weights inside the program; unstacking there would copy them.
-    """
-    return platform == "cpu"
-
-
-def decode_params(params: Params) -> Params:
-    """The params the cached programs take on these params' platform: where `unstacks_layers`,
-    `unstack_layers` views, their products through `ops.matvec.einsum` when the weights are on one device
-    and the kernels are built; elsewhere the stacked params themselves (nothing copied)."""
-    devices = params.embed.devices()
-    if not unstacks_layers(next(iter(devices)).platform):
-        return params
-    kernels = len(devices) == 1 and matvec.available()
-    return unstack_layers(params).replace(einsum=matvec.einsum if kernels else jnp.einsum)
-
-
-def unstack_layers(params: Params) -> Params:
-    """The same weights with `layers` as a tuple of per-layer LayerParams (no layer axis)."""
+def unstack_layers(params: Params, views: bool = False) -> Params:
+    """The same weights with `layers` as a tuple of per-layer LayerParams (no layer axis).
+    views: per-layer views of the stacked arrays' memory (`layer_slices`; host memory only), else copies."""
     leaves, treedef = jax.tree.flatten(params.layers)
-    slices = [layer_slices(leaf) for leaf in leaves]
+    slices = [layer_slices(leaf) if views else list(leaf) for leaf in leaves]
     count = len(slices[0])
     return params.replace(layers=tuple(jax.tree.unflatten(treedef, [s[i] for s in slices]) for i in range(count)))
 
 
 def layer_slices(stacked: jax.Array) -> list[jax.Array]:
-    """stacked [L, ...] as L arrays [...], sharded as it is: on CPU devices views of each shard's
-    memory (`np.asarray` exposes it and `device_put` may alias host memory there), elsewhere copies."""
-    if any(device.platform != "cpu" for device in stacked.devices()):
-        return list(stacked)
+    """stacked [L, ...] in host memory (XLA:CPU) as L arrays [...], sharded as it is: views of each shard's
+    memory (`np.asarray` exposes it and `device_put` may alias host memory)."""
     sharding = stacked.sharding
     if isinstance(sharding, jax.sharding.NamedSharding):  # the layer axis is never split
         sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))

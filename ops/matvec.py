@@ -4,8 +4,8 @@ XLA:CPU runs a product under ~2 MB (a small model's q, k, v and o projections) o
 larger ones below the bandwidth two cores reach; the kernels split every product's rows across the
 calling thread and XLA's intra-op pool (benchmarks/RESULTS.md). `einsum` takes what `jnp.einsum` takes
 and sends a product with one row of float32 activations to a kernel, anything else to `jnp.einsum`.
-The decode params choose it (`Params.einsum`, set by `models.params.decode_params` on the one
-switch's platform); exports and other platforms never see a kernel.
+The hardware plan chooses it (`linnet_jax.backend.Plan.einsum`, on one XLA:CPU device where
+`available()`); exports and other platforms never see a kernel.
 """
 
 import ctypes
@@ -31,16 +31,23 @@ def cpu_has_vector_units() -> bool:
     return {"avx2", "fma"} <= set(flags.split())
 
 
+def library_path() -> Path | None:
+    """The kernels' shared library, where setup.py built it."""
+    return next(iter(sorted(Path(__file__).parent.glob("_cpu_kernels*.so"))), None)
+
+
 @functools.cache
 def available() -> bool:
-    """Whether the kernels are built, this CPU can run them, and they are registered with XLA:CPU."""
-    libraries = sorted(Path(__file__).parent.glob("_cpu_kernels*.so"))
-    if not libraries or not cpu_has_vector_units():
-        return False
-    library = ctypes.cdll.LoadLibrary(str(libraries[0]))
+    """Whether the kernels are built and this CPU can run them (registers nothing)."""
+    return library_path() is not None and cpu_has_vector_units()
+
+
+@functools.cache
+def register() -> None:
+    """Register the kernels with XLA:CPU (once; `einsum` does it when it first emits a call)."""
+    library = ctypes.cdll.LoadLibrary(str(library_path()))
     for target, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
-    return True
 
 
 def einsum(spec: str, x: jax.Array, w: jax.Array, **options) -> jax.Array:
@@ -54,10 +61,10 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, **options) -> jax.Array:
     input_first = bool(contracted) and w_axes.startswith(contracted)  # w[K, ...]; else w[..., K] or neither
     w_free = w_axes[k:] if input_first else w_axes[:-k] if contracted and w_axes.endswith(contracted) else None
     plain = (w_free is None or not x_axes.endswith(contracted) or out != rows + w_free
-             or math.prod(x.shape[:len(rows)]) != 1 or x.dtype != jnp.float32 or w.dtype != jnp.float32
-             or not available())
+             or math.prod(x.shape[:len(rows)]) != 1 or x.dtype != jnp.float32 or w.dtype != jnp.float32)
     if plain:
         return jnp.einsum(spec, x, w, **options)
+    register()
     width = math.prod(x.shape[len(rows):])
     free_shape = w.shape[k:] if input_first else w.shape[:-k]
     matrix = w.reshape(width, -1) if input_first else w.reshape(-1, width)

@@ -11,6 +11,7 @@ from test_generate import agreed_steps, reference_greedy
 
 import linnet_jax
 from linnet_jax import generate
+from linnet_jax.backend import plan_for_platform
 from linnet_jax.decode import FREE, LENGTH, RUNNING, decode, empty_slots, free, insert, prefill
 from linnet_jax.generate import (STOP_ID_SLOTS, bucket, left_pad, make_requests, make_sampling, new_slots,
                                  stop_id_array)
@@ -41,8 +42,8 @@ class Job:
 
 def admit(model, slots, slot: int, job: Job, max_len: int):
     tokens, positions = left_pad([job.prompt], bucket(len(job.prompt)))
-    return insert(prefill(model.decode_params, model.config, tokens, positions, job.request(model), max_len), slots,
-                  slot)
+    return insert(prefill(model.decode_params, model.config, tokens, positions, job.request(model), max_len,
+                          plan=model.plan), slots, slot)
 
 
 def serve(model, jobs: list[Job], rows: int, max_len: int, chunk: int) -> dict[int, tuple[list[int], list[float]]]:
@@ -58,7 +59,7 @@ def serve(model, jobs: list[Job], rows: int, max_len: int, chunk: int) -> dict[i
         idle = [slot for slot in range(rows) if owner[slot] is None]
         heads = model.config.num_kv_heads
         before = [np.asarray(slots.cache.k[0][s * heads:(s + 1) * heads]).copy() for s in idle]
-        slots, emitted = decode(model.decode_params, model.config, slots, np.int32(chunk), chunk)
+        slots, emitted = decode(model.decode_params, model.config, slots, np.int32(chunk), chunk, plan=model.plan)
         for slot, saved in zip(idle, before):
             assert np.array_equal(np.asarray(slots.cache.k[0][slot * heads:(slot + 1) * heads]), saved)
             assert host(slots.finish)[slot] == FREE
@@ -105,7 +106,7 @@ def test_seed_per_prompt_is_the_same_alone_and_at_any_row(tiny_dir):
 
 def update_ops(model, batch: int) -> int:
     slots = jax.eval_shape(lambda: empty_slots(model.config, batch, 64, STOP_ID_SLOTS, model.params.embed.dtype))
-    text = decode.lower(model.decode_params, model.config, slots, np.int32(4), 4).as_text()
+    text = decode.lower(model.decode_params, model.config, slots, np.int32(4), 4, plan=model.plan).as_text()
     return sum(len(re.findall(rf"{op}\b", text)) for op in UPDATE_OPS)
 
 
@@ -123,10 +124,10 @@ def test_decode_to_the_last_cache_slot(tiny_dir):
     max_len, prompt = 32, np.random.default_rng(3).integers(3, 256, 10).tolist()
     slots = new_slots(model, 2, max_len)
     slots = admit(model, slots, 0, Job([4, 5, 6], 13), max_len)  # moves the cursor: the long row will wrap
-    slots, _ = decode(model.decode_params, model.config, slots, np.int32(13), 16)
+    slots, _ = decode(model.decode_params, model.config, slots, np.int32(13), 16, plan=model.plan)
     slots = admit(model, slots, 1, Job(prompt, 100), max_len)
     first = int(slots.token[1])
-    slots, emitted = decode(model.decode_params, model.config, slots, np.int32(100), 128)
+    slots, emitted = decode(model.decode_params, model.config, slots, np.int32(100), 128, plan=model.plan)
     ours = [first] + host(emitted.tokens)[1, :host(emitted.count)[1]].tolist()
     assert host(slots.finish)[1] == LENGTH and len(prompt) + len(ours) == max_len
     row = np.sort(host(slots.cache.positions)[1])
@@ -139,9 +140,9 @@ def test_decode_to_the_last_cache_slot(tiny_dir):
     assert alone.tokens == ours and alone.stop_reason == "length"
 
 
-def test_gpu_tpu_path_makes_no_second_copy_of_the_weights(smollm2, monkeypatch):
-    monkeypatch.setattr(linnet_jax.models.params, "unstacks_layers", lambda platform: False)
-    model = dataclasses.replace(smollm2)  # a fresh Model: its decode params are made under the forced switch
+def test_gpu_tpu_path_makes_no_second_copy_of_the_weights(smollm2):
+    model = dataclasses.replace(smollm2)  # a fresh Model, its plan (a cached property) preset to a GPU's
+    model.__dict__["plan"] = plan_for_platform("cuda")
     weights = sum(leaf.nbytes for leaf in jax.tree.leaves(model.params))
     live = lambda: sum(array.nbytes for array in jax.live_arrays())  # noqa: E731
     before = live()

@@ -1,5 +1,5 @@
 """ops.matvec: linnet's XLA:CPU matrix-vector kernels (ops/cpu_kernels.cc) give what jnp.einsum gives, run
-exactly where the decode params ask for them (batch-1 products on one CPU device), and never reach an export."""
+exactly where the hardware plan asks for them (batch-1 products on one CPU device), and never reach an export."""
 
 import dataclasses
 import os
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import linnet_jax
-from linnet_jax.models.params import decode_params, unstack_layers
+from linnet_jax.backend import decode_params
 from linnet_jax.ops import matvec
 
 from test_unrolled import prefill_then_decode
@@ -41,7 +41,7 @@ def jitted(spec: str):
     return jax.jit(lambda x, w: matvec.einsum(spec, x, w))
 
 
-def test_the_kernels_are_built_and_registered():
+def test_the_kernels_are_built():
     assert matvec.available(), "ops/_cpu_kernels*.so is missing: `pip install -e .` builds it (needs g++)"
 
 
@@ -71,12 +71,12 @@ def test_other_products_stay_with_einsum(spec, x_shape, w_shape, dtype):
 def test_decoding_through_the_kernels_equals_decoding_without(name, tiny_dir):
     """Batch 1, a prefill then one token at a time: the kernels' logits are einsum's, to float32 rounding."""
     model = linnet_jax.load(tiny_dir(name)[1], progress=False)
-    params = decode_params(model.params)
-    assert params.einsum is matvec.einsum and unstack_layers(model.params).einsum is jnp.einsum
+    assert model.plan.matvec_kernels and model.plan.einsum is matvec.einsum
+    params = decode_params(model.params, model.plan)
     ids = np.random.default_rng(4).integers(0, model.config.vocab_size, (1, 30))
     positions = np.arange(30)[None]
-    got = prefill_then_decode(model, params, ids, positions, prefill=20)
-    expected = prefill_then_decode(model, params.replace(einsum=jnp.einsum), ids, positions, prefill=20)
+    got = prefill_then_decode(model, params, ids, positions, prefill=20, plan=model.plan)
+    expected = prefill_then_decode(model, params, ids, positions, prefill=20)
     assert np.abs(got - expected).max() < 1e-5
 
 
@@ -86,11 +86,12 @@ def test_generate_on_smollm2_runs_the_kernels(smollm2):
     from linnet_jax.decode import decode
     from linnet_jax.generate import new_slots
 
-    assert smollm2.decode_params.einsum is matvec.einsum
-    program = decode.lower(smollm2.decode_params, smollm2.config, new_slots(smollm2, 1, 64), np.int32(4), 4).as_text()
+    assert smollm2.plan.einsum is matvec.einsum
+    program = decode.lower(smollm2.decode_params, smollm2.config, new_slots(smollm2, 1, 64), np.int32(4), 4,
+                           plan=smollm2.plan).as_text()
     assert "linnet_xw" in program and "linnet_wx" in program
     plain = dataclasses.replace(smollm2)
-    plain.__dict__["decode_params"] = smollm2.decode_params.replace(einsum=jnp.einsum)  # the cached property, preset
+    plain.__dict__["plan"] = dataclasses.replace(smollm2.plan, matvec_kernels=False)  # the cached property, preset
     prompt = "The three primary colors are"
     kernels = linnet_jax.generate(smollm2, prompt, max_new_tokens=24, return_details=True)
     einsum = linnet_jax.generate(plain, prompt, max_new_tokens=24, return_details=True)
@@ -105,9 +106,9 @@ import numpy as np, linnet_jax
 from linnet_jax import sharding
 model = linnet_jax.load({str(shardable_dir)!r}, mesh=sharding.mesh(data=2, tensor=4), progress=False)
 from linnet_jax.ops import matvec
-assert model.decode_params.einsum is not matvec.einsum
+assert not model.plan.matvec_kernels and model.plan.einsum is not matvec.einsum
 one = linnet_jax.load({str(shardable_dir)!r}, progress=False)
-assert one.decode_params.einsum is matvec.einsum
+assert one.plan.matvec_kernels and one.plan.einsum is matvec.einsum
 ids = [[3, 14, 15, 9, 2, 6]]
 assert linnet_jax.generate(model, tokens=ids, max_new_tokens=6) == linnet_jax.generate(one, tokens=ids, max_new_tokens=6)
 """

@@ -7,17 +7,20 @@ import pytest
 
 import linnet_jax
 from linnet_jax.models import forward, init_cache
-from linnet_jax.models.params import decode_params, unstack_layers, unstacks_layers
+from linnet_jax.backend import decode_params, plan_for, plan_for_platform
+from linnet_jax.models.params import unstack_layers
 
 
-def prefill_then_decode(model, params, ids: np.ndarray, positions: np.ndarray, prefill: int) -> np.ndarray:
+def prefill_then_decode(model, params, ids: np.ndarray, positions: np.ndarray, prefill: int, plan=None
+                        ) -> np.ndarray:
     """Logits of a prefill of `prefill` tokens, then of one token at a time through the cache: [B, T, V]."""
-    step = jax.jit(forward, static_argnums=1)
+    step = jax.jit(forward, static_argnums=1, static_argnames="plan")
     cache = init_cache(model.config, ids.shape[0], 64)
-    out, cache = step(params, model.config, jnp.asarray(ids[:, :prefill]), positions[:, :prefill], cache)
+    out, cache = step(params, model.config, jnp.asarray(ids[:, :prefill]), positions[:, :prefill], cache, plan=plan)
     outs = [np.asarray(out)]
     for t in range(prefill, ids.shape[1]):
-        out, cache = step(params, model.config, jnp.asarray(ids[:, t : t + 1]), positions[:, t : t + 1], cache)
+        out, cache = step(params, model.config, jnp.asarray(ids[:, t : t + 1]), positions[:, t : t + 1], cache,
+                          plan=plan)
         outs.append(np.asarray(out))
     return np.concatenate(outs, axis=1)
 
@@ -38,9 +41,17 @@ def test_per_layer_weights_equal_stacked(name, tiny_dir):
     assert np.abs(got - stacked).max() < 1e-5
 
 
-def test_the_platform_switch(tiny_dir):
+def test_the_plan(tiny_dir):
     model = linnet_jax.load(tiny_dir("llama_mha")[1], progress=False)
-    assert unstacks_layers("cpu") and not unstacks_layers("gpu") and not unstacks_layers("tpu")
-    views = decode_params(model.params)  # on this CPU: per-layer arrays that share the stacked ones' memory
+    assert model.plan == plan_for(model.params) and model.plan.platform == "cpu" and model.plan.unstacked_layers
+    for accelerator in ("gpu", "cuda", "rocm", "tpu"):
+        plan = plan_for_platform(accelerator)
+        assert not plan.unstacked_layers and not plan.matvec_kernels and plan.einsum is jnp.einsum
+        assert decode_params(model.params, plan) is model.params  # the stacked weights themselves
+    assert not plan_for_platform("cpu", devices=8).matvec_kernels  # a mesh keeps XLA's products
+    assert hash(model.plan) == hash(plan_for_platform("cpu"))  # hashable: a static argument
+    with pytest.raises(ValueError, match="platform must be one of"):
+        plan_for_platform("metal")
+    views = decode_params(model.params, model.plan)  # on this CPU: per-layer arrays sharing the stacked ones' memory
     assert isinstance(views.layers, tuple)
     assert np.shares_memory(np.asarray(views.layers[1].wq), np.asarray(model.params.layers.wq))

@@ -105,7 +105,7 @@ def generate(params: Params, token_ids: list[int], max_new_tokens: int, stop_ids
                          f"context of {CONFIG.max_position_embeddings} positions (nor may the prompt be empty)")
     prompt_len = bucket(len(token_ids))
     tokens, positions = left_pad([token_ids], prompt_len)
-    params = unstack_layers(params)
+    params = unstack_layers(params, views=True)
     need = prompt_len + max_new_tokens
     if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer))
                                 or max_len < need):

@@ -332,7 +332,8 @@ class Engine:
                     return
                 work = self.queue.popleft()
             tokens, positions = left_pad([work.prompt], self.bucket(len(work.prompt)))
-            prefix = prefill(model.decode_params, model.config, tokens, positions, work.request, self.max_len)
+            prefix = prefill(model.decode_params, model.config, tokens, positions, work.request, self.max_len,
+                             plan=model.plan)
             self.state = insert(prefix, self.state, slot)
             with self._wake:
                 self.owners[slot] = work
@@ -348,7 +349,7 @@ class Engine:
         model = self.model
         top = any(work is not None and work.top_logprobs for work in self.owners)
         self.state, emitted = decode(model.decode_params, model.config, self.state, np.int32(self.steps), self.steps,
-                                     model.layout and model.layout.constrain, top)
+                                     model.layout and model.layout.constrain, top, model.plan)
         tokens, logprobs, counts = host(emitted.tokens), host(emitted.logprobs), host(emitted.count)
         finish = host(self.state.finish)
         top_ids, top_logprobs = (host(emitted.top_ids), host(emitted.top_logprobs)) if top else (None, None)

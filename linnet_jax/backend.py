@@ -1,0 +1,59 @@
+"""The one plan for hardware-specific choices, made from the devices.
+
+A `Plan` is hashable: `Model.plan` holds it and the cached programs (`forward`, `decode.prefill`,
+`decode.decode`) take it as a static argument. Nothing else in linnet_jax reads the platform.
+
+- `unstacked_layers`: the decode programs take per-layer weights (`Params.layers` a tuple), else the
+  stacked `[L, ...]` ones. XLA:CPU copies a layer's slice of a stacked weight before each product,
+  which costs more than the products themselves in decode (benchmarks/RESULTS.md), while per-layer
+  views of the stacked arrays' host memory cost it nothing. GPUs and TPUs read the stacked weights
+  inside the program; unstacking there would copy them.
+- `matvec_kernels`: batch-1 float32 products run through linnet's XLA:CPU kernels (`ops.matvec`): on
+  one CPU device, where they are built and this CPU and jaxlib can run them. XLA:CPU runs small
+  products on one core; the kernels split them across its threads.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax.numpy as jnp
+
+from linnet_jax.models.params import Params, unstack_layers
+from linnet_jax.ops import matvec
+
+PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")  # "gpu": how JAX names a CUDA or ROCm device
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Hardware-specific choices for one platform and device count (hashable: a static argument)."""
+
+    platform: str  # one of PLATFORMS
+    unstacked_layers: bool
+    matvec_kernels: bool
+
+    @property
+    def einsum(self) -> Callable:
+        """The function the model's products run through: `ops.matvec.einsum` or `jnp.einsum`."""
+        return matvec.einsum if self.matvec_kernels else jnp.einsum
+
+
+def plan_for_platform(platform: str, devices: int = 1) -> Plan:
+    """The plan for `devices` devices of `platform` (one of PLATFORMS), made on any machine."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
+    cpu = platform == "cpu"
+    return Plan(platform=platform, unstacked_layers=cpu, matvec_kernels=cpu and devices == 1 and matvec.available())
+
+
+def plan_for(params: Params) -> Plan:
+    """The plan for the devices the params lie on."""
+    devices = params.embed.devices()
+    return plan_for_platform(next(iter(devices)).platform, len(devices))
+
+
+def decode_params(params: Params, plan: Plan) -> Params:
+    """The params the cached programs take under the plan: per-layer views of the stacked weights where it
+    unstacks layers (nothing copied), else the stacked params themselves."""
+    return unstack_layers(params, views=True) if plan.unstacked_layers else params
+

@@ -1,0 +1,75 @@
+"""`lowered`: the StableHLO of every program linnet_jax compiles, lowered for an accelerator from any machine.
+
+The programs are the ones `generate`, `serve.Engine` and a train step compile: `prefill_{T}` and
+`insert_{T}` for each prompt bucket T, `decode`, `free`, and `train_step` (AdamW, full fine-tuning).
+Each takes what it takes on that platform under its hardware plan (`linnet_jax.backend`): on a GPU or
+TPU the stacked `[layers, ...]` weights, sliced inside the program, and XLA's own products. Nothing is
+placed on a device: the arguments are shapes (`jax.ShapeDtypeStruct`) and `Traced.lower` takes the
+platform (`lowering_platforms`), so a CPU machine reads the program a GPU or TPU will get.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from linnet_jax.backend import decode_params, plan_for_platform
+from linnet_jax.decode import decode, empty_slots, free, insert, prefill
+from linnet_jax.generate import MIN_BUCKET, STOP_ID_SLOTS, make_requests, make_sampling
+from linnet_jax.model import Model
+from linnet_jax.train.step import init_state, make_train_step
+
+LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+DECODE_STEPS = 8  # steps per decode call: `serve.Engine`'s default steps_per_dispatch
+TRAIN_LEARNING_RATE = 1e-4
+
+
+def prompt_buckets(max_len: int) -> list[int]:
+    """The prefill lengths a cache of max_len slots takes: powers of two from MIN_BUCKET below max_len, and
+    max_len itself (`serve.Engine.buckets`)."""
+    sizes = [MIN_BUCKET]
+    while sizes[-1] * 2 < max_len:
+        sizes.append(sizes[-1] * 2)
+    return sizes + [max_len] * (sizes[-1] < max_len)
+
+
+def shapes(tree):
+    """A pytree of arrays as a pytree of jax.ShapeDtypeStruct (nothing read, nothing placed)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def lowered(model: Model, platform: str, *, batch: int = 1, max_len: int = 1024) -> dict[str, str]:
+    """{program name: StableHLO text} of every program generate, serve.Engine and a train step compile, lowered
+    for `platform` ("cpu", "cuda", "rocm" or "tpu") on one device of it, for a decode state of `batch` rows of
+    `max_len` cache slots (the train step: a batch of `batch` rows of `max_len` tokens)."""
+    if platform not in LOWERING_PLATFORMS:
+        raise ValueError(f"platform must be one of {LOWERING_PLATFORMS}, got {platform!r}")
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    context = model.config.max_position_embeddings
+    if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or not MIN_BUCKET <= max_len <= context:
+        raise ValueError(f"max_len must be an int in [{MIN_BUCKET}, {context}] (the model's context), got {max_len!r}")
+    config, plan, platforms = model.config, plan_for_platform(platform), (platform,)
+    params = shapes(decode_params(model.params, plan))
+    dtype = model.params.embed.dtype
+    request = shapes(make_requests(make_sampling(1, 0.0, 0, 1.0, 0.0, 1.0, 0), np.full(STOP_ID_SLOTS, -1, np.int32), 1))
+    slots = jax.eval_shape(lambda: empty_slots(config, batch, max_len, STOP_ID_SLOTS, dtype))
+    slot = jax.ShapeDtypeStruct((), jnp.int32)
+    programs = {}
+    for length in prompt_buckets(max_len):
+        tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
+        prefix = jax.eval_shape(lambda: empty_slots(config, 1, length, STOP_ID_SLOTS, dtype))
+        programs[f"prefill_{length}"] = prefill.trace(params, config, tokens, tokens, request, max_len, plan=plan)
+        programs[f"insert_{length}"] = insert.trace(prefix, slots, slot)
+    programs["decode"] = decode.trace(params, config, slots, slot, DECODE_STEPS, plan=plan)
+    programs["free"] = free.trace(slots, slot)
+    programs["train_step"] = train_step_traced(model, batch, max_len)
+    return {name: traced.lower(lowering_platforms=platforms).as_text() for name, traced in programs.items()}
+
+
+def train_step_traced(model: Model, batch: int, length: int) -> jax.stages.Traced:
+    """One AdamW full fine-tuning step (`train.step.make_train_step`) traced over a [batch, length] batch."""
+    optimizer = optax.adamw(TRAIN_LEARNING_RATE)
+    state = jax.eval_shape(lambda: init_state(model, optimizer))
+    tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+    return jax.jit(make_train_step(optimizer)).trace(state, {"tokens": tokens, "loss_mask": tokens})
