@@ -1,28 +1,49 @@
 """linnet_jax: a JAX-native modeling framework for Llama-family LLMs.
 
-The exporters (`linnet_jax.export`) and the GGUF reader are imported when first used.
+Every name here is imported when first used (PEP 562), so importing a lower floor (`linnet_jax.ops`,
+`linnet_jax.models`, `linnet_jax.decode`) does not pull the floors above it, and `import linnet_jax` stays light.
 """
 
 import importlib
+import sys
+import types
 
 from linnet_jax._version import __version__
-from linnet_jax.checkpoint import save
-from linnet_jax.compilation import enable_compilation_cache
-from linnet_jax.generate import Generation, generate
-from linnet_jax.load import DEFAULT_MODEL, load
-from linnet_jax.model import Model, logits
-from linnet_jax.sharding import shard
 
+# Public name -> the submodule that defines it.
+NAMES = {"DEFAULT_MODEL": "load", "Generation": "generate", "Model": "model", "enable_compilation_cache": "compilation",
+         "generate": "generate", "load": "load", "logits": "model", "save": "checkpoint", "shard": "sharding"}
 LAZY_SUBMODULES = ("export", "decode", "gguf", "tokenizer", "cli", "serve", "train")
 
-__all__ = [
-    "DEFAULT_MODEL", "Generation", "Model", "__version__", "enable_compilation_cache", "export", "generate", "load",
-    "logits", "save", "shard",
-]
+__all__ = ["__version__", *NAMES, "export"]
 
 
 def __getattr__(name: str):
-    """`linnet_jax.export` (and the other submodules) on first use, so that importing linnet_jax stays light."""
+    """A public name (`load`, `generate`, ...) or a submodule (`export`, `train`, ...), imported on first use."""
+    if name in NAMES:
+        value = getattr(importlib.import_module(f"linnet_jax.{NAMES[name]}"), name)
+        globals()[name] = value
+        return value
     if name in LAZY_SUBMODULES:
         return importlib.import_module(f"linnet_jax.{name}")
     raise AttributeError(f"module 'linnet_jax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *NAMES, *LAZY_SUBMODULES})
+
+
+class Package(types.ModuleType):
+    """linnet_jax's module type: the functions `generate` and `load` keep their names on the package.
+
+    Importing a submodule sets it as an attribute of its package; `linnet_jax.generate` and `linnet_jax.load`
+    are the functions, not the modules that define them, whichever is imported first.
+    """
+
+    def __setattr__(self, name: str, value) -> None:
+        if isinstance(value, types.ModuleType) and NAMES.get(name) == name:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = Package
