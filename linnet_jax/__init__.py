@@ -1,7 +1,8 @@
 """linnet_jax: a JAX-native modeling framework for Llama-family LLMs.
 
-Every name here is imported when first used (PEP 562), so importing a lower floor (`linnet_jax.ops`,
-`linnet_jax.models`, `linnet_jax.decode`) does not pull the floors above it, and `import linnet_jax` stays light.
+Every public name (`load`, `generate`, ...) and submodule (`export`, `sharding`, ...) is imported on first use
+(PEP 562), so importing a lower floor (`linnet_jax.ops`, `linnet_jax.models`, `linnet_jax.decode`) does not pull
+the floors above it, and `import linnet_jax` stays light.
 """
 
 import importlib
@@ -13,24 +14,27 @@ from linnet_jax._version import __version__
 # Public name -> the submodule that defines it.
 NAMES = {"DEFAULT_MODEL": "load", "Generation": "generate", "Model": "model", "enable_compilation_cache": "compilation",
          "generate": "generate", "load": "load", "logits": "model", "save": "checkpoint", "shard": "sharding"}
-LAZY_SUBMODULES = ("export", "decode", "gguf", "tokenizer", "cli", "serve", "train")
 
 __all__ = ["__version__", *NAMES, "export"]
 
 
 def __getattr__(name: str):
-    """A public name (`load`, `generate`, ...) or a submodule (`export`, `train`, ...), imported on first use."""
+    """A public name (`load`, `generate`, ...) or a submodule (`export`, `sharding`, ...), imported on first use."""
     if name in NAMES:
         value = getattr(importlib.import_module(f"linnet_jax.{NAMES[name]}"), name)
         globals()[name] = value
         return value
-    if name in LAZY_SUBMODULES:
+    try:
         return importlib.import_module(f"linnet_jax.{name}")
+    except ModuleNotFoundError as error:
+        if error.name != f"linnet_jax.{name}":
+            raise
     raise AttributeError(f"module 'linnet_jax' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *NAMES, *LAZY_SUBMODULES})
+    """The names imported so far and the public ones."""
+    return sorted({*globals(), *__all__})
 
 
 class Package(types.ModuleType):
