@@ -8,7 +8,6 @@ missing model, a file in the way, a prompt that does not fit) prints one line na
 
 import argparse
 import io
-import os
 import re
 import sys
 import time
