@@ -33,7 +33,7 @@ class Upper:
         if name.startswith("linnet_jax.") and name not in ground and not name.startswith(
                 tuple(allowed) + tuple(a + "." for a in allowed)):
             refused.append(name)
-            raise ImportError(f"{{name}} is above {{floor}}")
+            raise ImportError(f"{{floor}} may not import {{name}}")
         return None
 
 
