@@ -660,8 +660,8 @@ def read_bandwidth() -> float:
 def model_sizes(model_path: Path, max_len: int) -> tuple[int, int]:
     """(weights, cache entries): the model's weights (a tied head once) and the keys and values of max_len
     positions, the elements a batch-1 decode step reads."""
+    from linnet_jax.files import read_config
     from linnet_jax.gguf import open_gguf
-    from linnet_jax.load import read_config
     from linnet_jax.models import Config
 
     config = (Config.from_hf(open_gguf(model_path)[0]) if model_path.is_file()

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet_jax.export._common import MODEL_FILES, prepare_target, staged, write_json, write_model_files
+from linnet_jax.files import (MODEL_FILES, finite, prepare_target, read_config, read_json, staged, write_json,
+                              write_model_files)
 from linnet_jax.model import Model
 from linnet_jax.models import Config, param_shapes
 from linnet_jax.models.params import flatten_params, param_axes, unflatten_params
@@ -88,7 +89,6 @@ def load_checkpoint(directory: Path, dtype: str | None = None, layout=None) -> M
     restored must match its recorded shape, dtype and sha256 (corrupt bytes are a ValueError) and be finite."""
     import orbax.checkpoint as ocp
 
-    from linnet_jax.load import finite, read_config, read_json
     from linnet_jax.tokenizer import Tokenizer
 
     directory = directory.absolute()

@@ -8,7 +8,6 @@ missing model, a file in the way, a prompt that does not fit) prints one line na
 
 import argparse
 import io
-import os
 import re
 import sys
 import time
@@ -140,21 +139,41 @@ def add_finetune(command: argparse.ArgumentParser) -> None:
     command.add_argument("out", metavar="OUT_DIR")
 
 
-def run_finetune(args) -> None:
-    """Load the model, run linnet_jax.train.finetune and print what it wrote."""
+def lora_config(args):
+    """The `linnet_jax.train.LoraConfig` the LoRA flags ask for; None for full fine-tuning (--lora-rank 0)."""
     from linnet_jax import train
 
-    targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
+    if not args.lora_rank:
+        return None
+    targets = {"targets": tuple(t.strip() for t in args.lora_targets.split(","))} if args.lora_targets else {}
+    return train.LoraConfig(args.lora_rank, args.lora_alpha, **targets)
+
+
+def run_finetune(args) -> None:
+    """Load the model, run linnet_jax.train.finetune, export what it trained and print where.
+
+    OUT_DIR/model is the fine-tuned model (LoRA merged) as a Hugging Face directory, which load, generate and
+    every export accept; with LoRA, OUT_DIR/adapter holds the adapters in PEFT's layout (PEFT, vLLM).
+    """
+    from linnet_jax import export, load, train
+    from linnet_jax.load import DEFAULT_MODEL
+
+    lora = lora_config(args)
+    model = load(args.model, dtype=args.dtype)
     result = train.finetune(
-        args.data, args.out, model=args.model, dtype=args.dtype, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=targets,
-        steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, warmup=args.warmup,
-        accum_steps=args.accum_steps, save_every=args.save_every, keep=args.keep, resume=args.resume, seed=args.seed,
-        packing=not args.no_packing, truncate=args.truncate, remat=args.remat, compute_dtype=args.compute_dtype)
+        model, args.data, args.out, lora=lora, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+        lr=args.lr, warmup=args.warmup, accum_steps=args.accum_steps, save_every=args.save_every, keep=args.keep,
+        resume=args.resume, seed=args.seed, packing=not args.no_packing, truncate=args.truncate, remat=args.remat,
+        compute_dtype=args.compute_dtype)
+    out = Path(args.out)
+    model_dir = export.hf(result.model, out / "model", overwrite=True, progress=False)
+    adapter_dir = None if lora is None else export.peft(model, result.state.lora, out / "adapter",
+                                                       base=args.model or DEFAULT_MODEL, overwrite=True)
     first, last = result.metrics[0], result.metrics[-1]
     print(f"loss {first['loss']:.4f} at step {first['step']} -> {last['loss']:.4f} at step {last['step']}")
-    print(f"model: {result.model_dir}")
-    if result.adapter_dir:
-        print(f"PEFT adapter: {result.adapter_dir}")
+    print(f"model: {model_dir}")
+    if adapter_dir:
+        print(f"PEFT adapter: {adapter_dir}")
 
 
 def export_model(args) -> Path:

@@ -2,7 +2,6 @@
 
 import dataclasses
 import importlib.metadata
-import json
 import re
 import warnings
 from pathlib import Path
@@ -13,7 +12,7 @@ import safetensors
 from tqdm.auto import tqdm
 
 from linnet_jax.checkpoint import is_checkpoint, load_checkpoint
-from linnet_jax.export._common import INDEX_FILE
+from linnet_jax.files import INDEX_FILE, finite, read_config, read_json
 from linnet_jax.model import Model
 from linnet_jax.models import Config, params_from_hf
 from linnet_jax.models.config import DTYPES
@@ -109,39 +108,6 @@ def _dtype(dtype) -> str | None:
     if name not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected None or one of {DTYPES}")
     return name
-
-
-def read_json(path: Path) -> dict:
-    """A file holding one JSON object, or a ValueError naming it."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: not valid JSON ({error})") from error
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: expected a JSON object, got a {type(value).__name__}")
-    return value
-
-
-def read_config(path: Path) -> Config:
-    """The Config in a config.json file, or an error naming the file and the field."""
-    if not path.exists():
-        raise FileNotFoundError(f"{path.parent}: no config.json (expected a Hugging Face model directory)")
-    hf_config = read_json(path)
-    try:
-        return Config.from_hf(hf_config)
-    except ValueError as error:
-        raise ValueError(f"{path}: {error}") from error
-
-
-def finite(name: str, tensor: np.ndarray, source: Path) -> np.ndarray:
-    """The tensor, or a ValueError naming it when it holds a NaN or an infinity (one vectorized pass over it,
-    as llama.cpp's tensor validation)."""
-    bad = ~np.isfinite(tensor)
-    if bad.any():
-        first = np.flatnonzero(bad)[0]
-        raise ValueError(f"{source}: tensor {name!r} holds {int(bad.sum())} non-finite value(s) (the first, "
-                         f"{tensor.flat[first]}, at flat index {first}); the weights are corrupt")
-    return tensor
 
 
 def check_layers(names, num_layers: int, source: Path, field: str) -> None:

@@ -1,4 +1,6 @@
-"""LoRA adapters on the decoder's projections: W x + (alpha / r) · B(A x).
+"""LoRA adapters on the decoder's projections, W x + (alpha / r) · B(A x): the adapters' pytree, their
+configuration (rank, alpha, projections named as in Hugging Face) and shapes. Creating adapters for training
+and merging them into the weights is `linnet_jax.train.lora`.
 
 Axis names: L layers, R rank, I a projection's input axes, O its output axes (both as in the
 weight it adapts: wq [D, H, K] has I = (D,) and O = (H, K); wo [H, K, D] has I = (H, K)).
@@ -10,6 +12,14 @@ import dataclasses
 import flax.struct
 import jax
 import jax.numpy as jnp
+
+from linnet_jax.models.config import Config
+from linnet_jax.models.params import LayerParams, declared, layer_shapes
+
+# Hugging Face's module name -> the LayerParams field it adapts.
+TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w_gate", "up_proj": "w_up",
+           "down_proj": "w_down"}
+FIELDS = {field: name for name, field in TARGETS.items()}
 
 
 @flax.struct.dataclass
@@ -33,3 +43,39 @@ def lora_term(x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Arr
     """scale · B(A x): x [B, T, *I]; a [*I, R]; b [R, *O] → [B, T, *O]."""
     low = jnp.tensordot(x, a, axes=a.ndim - 1)  # [B, T, R]
     return jnp.tensordot(low, b, axes=1) * scale
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Which projections get adapters (HF names), their rank r and alpha; PEFT's scale is alpha / r."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = tuple(TARGETS)
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"LoRA rank must be a positive int, got {self.rank!r}")
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown or not self.targets:
+            raise ValueError(f"LoRA targets {list(self.targets)}: expected a non-empty subset of {list(TARGETS)}")
+        object.__setattr__(self, "targets", tuple(t for t in TARGETS if t in self.targets))  # canonical order
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def split_shape(config: Config, field: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A projection's input axes I and output axes O (without the layer axis), e.g. wq → ((D,), (H, K))."""
+    shape = layer_shapes(config)[field]
+    inputs = declared(LayerParams)[field]["inputs"]
+    return shape[:inputs], shape[inputs:]
+
+
+def lora_config_of(lora: Lora) -> LoraConfig:
+    """The LoraConfig these adapters were made with (rank from their shapes, alpha = scale · rank)."""
+    rank = next(iter(lora.a.values())).shape[-1]
+    alpha = lora.scale * rank
+    return LoraConfig(rank=rank, alpha=int(alpha) if float(alpha).is_integer() else alpha,
+                      targets=tuple(FIELDS[field] for field in lora.a))

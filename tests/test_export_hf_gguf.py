@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 
 import linnet_jax
 from linnet_jax import export
-from linnet_jax.export._common import generation_config
+from linnet_jax.files import generation_config
 
 MESSAGES = [{"role": "system", "content": "Be brief."},
             {"role": "user", "content": "Name three rivers in Europe and say which one is the longest."}]

@@ -50,21 +50,21 @@ def chat_data(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("data") / "facts.jsonl", records)
 
 
-RUN = dict(steps=6, batch_size=2, seq_len=64, lr=3e-3, save_every=2, keep=10, progress=False, export=False)
+RUN = dict(steps=6, batch_size=2, seq_len=64, lr=3e-3, save_every=2, keep=10, progress=False)
 
 
-@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
-def test_resume_gives_bit_identical_losses(tiny_chat, chat_data, tmp_path, lora_rank):
+@pytest.mark.parametrize("lora", [None, train.LoraConfig(rank=4, alpha=16)], ids=["full", "lora"])
+def test_resume_gives_bit_identical_losses(tiny_chat, chat_data, tmp_path, lora):
     """A run stopped after step 3 (its last checkpoint at 2) and resumed equals one that never stopped."""
     run = tmp_path / "run"
-    straight = train.finetune(chat_data, run, model=tiny_chat, lora_rank=lora_rank, **RUN)
+    straight = train.finetune(tiny_chat, chat_data, run, lora=lora, **RUN)
     for step in (4, 6):  # what the run leaves when killed during step 4: checkpoint 2, metrics of steps 1..3
         shutil.rmtree(run / "checkpoints" / str(step))
     lines = (run / "metrics.jsonl").read_text().splitlines()
     (run / "metrics.jsonl").write_text("\n".join(lines[:3]) + "\n")
     with pytest.raises(FileExistsError, match="holds checkpoints .last step 2.; pass resume=True"):
-        train.finetune(chat_data, run, model=tiny_chat, lora_rank=lora_rank, **RUN)
-    resumed = train.finetune(chat_data, run, model=tiny_chat, lora_rank=lora_rank, resume=True, **RUN)
+        train.finetune(tiny_chat, chat_data, run, lora=lora, **RUN)
+    resumed = train.finetune(tiny_chat, chat_data, run, lora=lora, resume=True, **RUN)
     assert [m["step"] for m in resumed.metrics] == [1, 2, 3, 4, 5, 6]
     assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in straight.metrics]  # bit for bit
     assert [m["lr"] for m in resumed.metrics] == [m["lr"] for m in straight.metrics]
@@ -99,21 +99,22 @@ def test_remat_and_compute_dtype(tiny_chat):
 
 def test_lora_teaches_smollm2_facts(smollm2, tmp_path):
     """LoRA r=8 on four made-up facts, a few steps: the loss falls and greedy generate answers with them, from the
-    model directory the run ends in."""
+    fine-tuned model's Hugging Face export; the adapters export in PEFT's layout."""
     data = write_jsonl(tmp_path / "facts.jsonl", fact_records())
     questions = [q for q, _ in FACTS]
     before = linnet_jax.generate(smollm2, questions, max_new_tokens=16)
-    result = train.finetune(data, tmp_path / "run", model=smollm2, lora_rank=8, lora_alpha=16, steps=10,
+    result = train.finetune(smollm2, data, tmp_path / "run", lora=train.LoraConfig(rank=8, alpha=16), steps=10,
                             batch_size=4, seq_len=64, lr=3e-3, packing=False, progress=False)
     first, last = result.metrics[0]["loss"], result.metrics[-1]["loss"]
     assert last < first / 10, (first, last)
-    tuned = linnet_jax.load(result.model_dir, progress=False)
+    tuned = linnet_jax.load(linnet_jax.export.hf(result.model, tmp_path / "model", progress=False), progress=False)
     after = linnet_jax.generate(tuned, questions, max_new_tokens=16)
     taught = [answer in reply for (_, answer), reply in zip(FACTS, after)]
     print(f"SmolLM2 LoRA: loss {first:.4f} -> {last:.4f}; before {before}; after {after}")
     assert sum(taught) >= 3, after
     assert not any(answer in reply for (_, answer), reply in zip(FACTS, before))
-    config = json.loads((result.adapter_dir / "adapter_config.json").read_text())
+    adapter_dir = linnet_jax.export.peft(smollm2, result.state.lora, tmp_path / "adapter")
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
     assert config["r"] == 8 and len(config["target_modules"]) == 7
 
 

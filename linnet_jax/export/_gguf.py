@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from linnet_jax.export._common import prepare_target, staged
+from linnet_jax.files import prepare_target, staged
 from linnet_jax.gguf import write_gguf
 from linnet_jax.models import params_to_hf
 

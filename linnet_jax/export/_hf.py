@@ -10,7 +10,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tqdm import tqdm  # the text bar: tqdm.auto needs ipywidgets in notebooks
 
-from linnet_jax.export._common import INDEX_FILE, MODEL_FILES, prepare_target, staged, write_json, write_model_files
+from linnet_jax.files import INDEX_FILE, MODEL_FILES, prepare_target, staged, write_json, write_model_files
 from linnet_jax.models import params_to_hf
 from linnet_jax.models.config import DTYPES
 

@@ -17,8 +17,8 @@ from pathlib import Path
 from types import ModuleType
 
 from linnet_jax._version import __version__
-from linnet_jax.export._common import MODEL_FILES, generation_config, prepare_target, staged, write_model_files
 from linnet_jax.export._stablehlo import WEIGHTS, save_weights
+from linnet_jax.files import MODEL_FILES, generation_config, prepare_target, staged, write_model_files
 from linnet_jax.models import Config
 
 MODULE = "model.py"

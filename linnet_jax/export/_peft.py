@@ -10,10 +10,9 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from linnet_jax.export._common import prepare_target, write_json
-from linnet_jax.models.lora import Lora
+from linnet_jax.files import prepare_target, write_json
+from linnet_jax.models.lora import Lora, lora_config_of, split_shape
 from linnet_jax.models.params import LayerParams, declared, to_hf_layer_tensor
-from linnet_jax.train.lora import lora_config_of, split_shape
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
 PREFIX = "base_model.model."

@@ -33,8 +33,8 @@ import numpy as np
 from safetensors.numpy import save_file
 from tqdm import tqdm  # the text bar: tqdm.auto needs ipywidgets in notebooks
 
-from linnet_jax.export._common import (MODEL_FILES, generation_config, prepare_target, staged, write_json,
-                                       write_model_files)
+from linnet_jax.files import (MODEL_FILES, generation_config, prepare_target, staged, write_json,
+                              write_model_files)
 from linnet_jax.generate import bucket
 from linnet_jax.models import Config, KVCache, Params, forward, init_cache
 

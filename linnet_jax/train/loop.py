@@ -1,11 +1,9 @@
-"""`finetune`: a whole run, as `linnet-jax finetune` runs it.
+"""`finetune`: a whole run on a loaded Model, resumable. It neither loads nor exports: the caller does
+(`linnet-jax finetune` loads `--model`, then exports the result with `linnet_jax.export.hf` and `.peft`).
 
     out_dir/
       metrics.jsonl   one JSON line per step: step, loss, grad_norm, tokens, lr (and tokens_per_s)
-      checkpoints/    Orbax checkpoints (see checkpoints.py); --resume continues from the latest
-      model/          the fine-tuned model (LoRA merged) as a Hugging Face directory: load, generate and
-                      every export accept it
-      adapter/        with LoRA, the adapters in PEFT's layout (PEFT, vLLM)
+      checkpoints/    Orbax checkpoints (see checkpoints.py); resume=True continues from the latest
 """
 
 import dataclasses
@@ -16,20 +14,23 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
+from linnet_jax.model import Model
+from linnet_jax.models.lora import LoraConfig
 from linnet_jax.train.checkpoints import Checkpoints
 from linnet_jax.train.data import Batches, load_documents
-from linnet_jax.train.lora import LoraConfig, merge_lora
-from linnet_jax.train.step import init_state, make_train_step, optimizer, shard_batch
+from linnet_jax.train.lora import merge_lora
+from linnet_jax.train.step import TrainState, init_state, make_train_step, optimizer, shard_batch
 
 
 @dataclasses.dataclass
 class Result:
-    """What a run leaves: the fine-tuned model (LoRA merged), each step's metrics, the directories written."""
+    """What a run returns: its last state (the trained params, or the adapters over the frozen base params),
+    the fine-tuned model (LoRA merged: what `linnet_jax.export.hf` writes), each step's metrics, and how
+    many records were cut to seq_len."""
 
-    model: object
+    state: TrainState
+    model: Model
     metrics: list[dict]
-    model_dir: Path | None
-    adapter_dir: Path | None
     truncated: int
 
 
@@ -42,34 +43,29 @@ def read_metrics(path: Path, through: int) -> list[dict]:
     return [line for line in lines if line["step"] <= through]
 
 
-def finetune(data, out_dir, *, model=None, dtype=None, lora_rank: int = 8, lora_alpha: float = 16.0,
-             lora_targets: tuple[str, ...] | None = None, steps: int = 100, batch_size: int = 4, seq_len: int = 512,
-             lr: float = 1e-4, warmup: int = 0, accum_steps: int = 1, save_every: int = 100, keep: int = 3,
-             resume: bool = False, seed: int = 0, packing: bool = True, truncate: bool = False, remat: bool = False,
-             compute_dtype=None, progress: bool = True, export: bool = True) -> Result:
-    """Fine-tune `model` (a Model, or a source for `linnet_jax.load`, loaded with `dtype`; None: the default model)
-    on the JSON Lines file `data`, writing out_dir as the module docstring lays out.
+def tuned_model(model: Model, state: TrainState) -> Model:
+    """`model` with the state's params, and its adapters merged into them when the run trained LoRA."""
+    tuned = dataclasses.replace(model, params=state.params)
+    return tuned if state.lora is None else merge_lora(tuned, state.lora)
 
-    lora_rank 0 trains every weight; otherwise LoRA adapters of that rank and alpha on lora_targets (HF names;
-    default all seven projections). A step runs accum_steps micro-batches of batch_size rows of seq_len tokens
-    (packed unless packing=False), one at a time: one update over batch_size × accum_steps rows. The learning rate warms up over `warmup` steps, then decays by a
-    cosine to a tenth at `steps`. resume=True continues from the latest checkpoint in out_dir/checkpoints
-    (step, weights, optimizer state, data position); without it an out_dir that has checkpoints is an error.
-    export=False skips writing model/ and adapter/.
+
+def finetune(model: Model, data, out_dir, *, lora: LoraConfig | None = LoraConfig(), steps: int = 100,
+             batch_size: int = 4, seq_len: int = 512, lr: float = 1e-4, warmup: int = 0, accum_steps: int = 1,
+             save_every: int = 100, keep: int = 3, resume: bool = False, seed: int = 0, packing: bool = True,
+             truncate: bool = False, remat: bool = False, compute_dtype=None, progress: bool = True) -> Result:
+    """Fine-tune `model` (a Model with a tokenizer) on the JSON Lines file `data`, writing out_dir as the module
+    docstring lays out; returns the last state and the fine-tuned model.
+
+    lora: adapters of that rank and alpha on its targets (default rank 8, alpha 16, all seven projections);
+    None trains every weight. A step runs accum_steps micro-batches of batch_size rows of seq_len tokens
+    (packed unless packing=False), one at a time: one update over batch_size × accum_steps rows. The learning
+    rate warms up over `warmup` steps, then decays by a cosine to a tenth at `steps`. resume=True continues
+    from the latest checkpoint in out_dir/checkpoints (step, weights, optimizer state, data position); without
+    it an out_dir that has checkpoints is an error.
     """
-    from linnet_jax import export as exports
-    from linnet_jax import DEFAULT_MODEL, load
-
-    out = Path(out_dir)
-    base = None
-    if model is None or isinstance(model, (str, Path)):
-        base = str(model or DEFAULT_MODEL)
-        model = load(model, dtype=dtype, progress=progress)
     if model.tokenizer is None:
         raise ValueError("finetune needs a model with a tokenizer to encode the data")
-    lora = None
-    if lora_rank:
-        lora = LoraConfig(lora_rank, lora_alpha, *([tuple(lora_targets)] if lora_targets else []))
+    out = Path(out_dir)
     documents, truncated = load_documents(data, model.tokenizer, seq_len, truncate=truncate)
     batches = Batches(documents, batch_size * accum_steps, seq_len, seed=seed, packing=packing)
     tx = optimizer(lr, steps=steps, warmup=warmup)
@@ -101,12 +97,4 @@ def finetune(data, out_dir, *, model=None, dtype=None, lora_rank: int = 8, lora_
                 checkpoints.save(state, batches.get_state(), force=record["step"] == steps)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 bar.update()
-    tuned = dataclasses.replace(model, params=state.params)
-    if lora is not None:
-        tuned = merge_lora(tuned, state.lora)
-    model_dir = adapter_dir = None
-    if export:
-        model_dir = exports.hf(tuned, out / "model", overwrite=True, progress=False)
-        if lora is not None:
-            adapter_dir = exports.peft(model, state.lora, out / "adapter", base=base, overwrite=True)
-    return Result(tuned, history, model_dir, adapter_dir, truncated)
+    return Result(state, tuned_model(model, state), history, truncated)

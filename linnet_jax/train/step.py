@@ -20,9 +20,9 @@ import numpy as np
 import optax
 
 from linnet_jax.models import Config, Params, forward
-from linnet_jax.models.lora import Lora
+from linnet_jax.models.lora import Lora, LoraConfig
 from linnet_jax.sharding import Layout, put
-from linnet_jax.train.lora import LoraConfig, init_lora
+from linnet_jax.train.lora import init_lora
 
 
 @flax.struct.dataclass

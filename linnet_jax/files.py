@@ -1,5 +1,10 @@
-"""Helpers shared by the exporters: preparing an output path, writing it under a temporary name first,
-and the JSON and tokenizer files that a Hugging Face directory and an Orbax checkpoint both carry."""
+"""The files a model lives in, read and written by the loaders (`load`, `checkpoint`) and the exporters alike.
+
+Reading: JSON objects, config.json and tensors checked finite, each error naming the file. Writing: a target
+that is refused when something is there (unless overwrite=True), written under a temporary name and renamed
+into place; the JSON and tokenizer files that a Hugging Face directory, an Orbax checkpoint and the other
+exports all carry.
+"""
 
 import contextlib
 import json
@@ -9,12 +14,52 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from linnet_jax.models import Config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 # What write_model_files writes: every exporter that calls it replaces these in its target.
 MODEL_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 INDEX_FILE = "model.safetensors.index.json"  # a sharded safetensors checkpoint's weight map
+
+
+def read_json(path: Path) -> dict:
+    """A file holding one JSON object, or a ValueError naming it."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a {type(value).__name__}")
+    return value
+
+
+def write_json(path: Path, value: dict) -> None:
+    """`value` as indented JSON in `path`."""
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def read_config(path: Path) -> Config:
+    """The Config in a config.json file, or an error naming the file and the field."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path.parent}: no config.json (expected a Hugging Face model directory)")
+    hf_config = read_json(path)
+    try:
+        return Config.from_hf(hf_config)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from error
+
+
+def finite(name: str, tensor: np.ndarray, source: Path) -> np.ndarray:
+    """The tensor, or a ValueError naming it when it holds a NaN or an infinity (one vectorized pass over it,
+    as llama.cpp's tensor validation)."""
+    bad = ~np.isfinite(tensor)
+    if bad.any():
+        first = np.flatnonzero(bad)[0]
+        raise ValueError(f"{source}: tensor {name!r} holds {int(bad.sum())} non-finite value(s) (the first, "
+                         f"{tensor.flat[first]}, at flat index {first}); the weights are corrupt")
+    return tensor
 
 
 def prepare_target(path, overwrite: bool = False) -> Path:
@@ -85,11 +130,6 @@ def generation_config(config: Config, tokenizer) -> dict:
     pad = config.pad_token_id if config.pad_token_id is not None else getattr(tokenizer, "pad_token_id", None)
     fields = {"bos_token_id": bos, "eos_token_id": eos[0] if len(eos) == 1 else (eos or None), "pad_token_id": pad}
     return {key: value for key, value in fields.items() if value is not None}
-
-
-def write_json(path: Path, value: dict) -> None:
-    """`value` as indented JSON in `path`."""
-    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def write_model_files(directory: Path, config: Config, tokenizer) -> None:
