@@ -68,18 +68,18 @@ class Detokenizer:
         """Append one id: settle its text (and any pending before it) unless a character is still incomplete."""
         self.ids.append(token)
         if self.tokenizer is None:
-            return self._point("")
+            self._point("")
+            return
         window = self.tokenizer.decode(self.ids[self._prefix:])
         new = window[len(self._prefix_text):]
         if window.endswith(REPLACEMENT):
             self.pending = new
-            return None
+            return
         self.pending = ""
         self._point(new)
         if new:  # the window moves on past the ids whose text was just settled
             self._prefix, self._read = self._read, len(self.ids)
             self._prefix_text = self.tokenizer.decode(self.ids[self._prefix:self._read])
-        return None
 
     def _point(self, piece: str) -> None:
         self.pieces.append(piece)
@@ -99,14 +99,13 @@ class Detokenizer:
         self._searched = len(self.pieces)
 
     def _visible_chars(self) -> int:
-        """How much settled text a reader may see: before a stop string, and before a stop string's beginning
-        at the end of the text."""
+        """How much settled text a reader may see: what lies before a stop string, or before the beginning of one
+        that the text ends with."""
         end = self.settled_chars[-1]
-        if self.stop_at is not None:
-            return min(end, self.stop_at)
+        if self.stop_at is not None or not self.stops:
+            return end if self.stop_at is None else min(end, self.stop_at)
         tail = self.text_between(self._last_point(end - self._overlap), len(self.pieces))
-        hold = max((n for s in self.stops for n in range(1, len(s)) if tail.endswith(s[:n])), default=0)
-        return end - hold
+        return end - max((n for s in self.stops for n in range(1, len(s)) if tail.endswith(s[:n])), default=0)
 
     def _last_point(self, chars: int) -> int:
         """The last settled point at or before `chars` characters."""
