@@ -16,7 +16,7 @@ import numpy as np
 
 import linnet_jax
 from linnet_jax.decode import decode, insert, prefill
-from linnet_jax.generate import bucket, left_pad, make_requests, make_sampling, new_slots, stop_id_array
+from linnet_jax.inputs import bucket, left_pad, make_requests, make_sampling, new_slots, stop_id_array
 
 
 def filled_state(model, batch: int, prompt: int, new: int, max_len: int):

@@ -30,7 +30,7 @@ import numpy as np
 
 import linnet_jax
 from linnet_jax.decode import decode, insert, prefill
-from linnet_jax.generate import left_pad, make_requests, make_sampling, new_slots, stop_id_array
+from linnet_jax.inputs import left_pad, make_requests, make_sampling, new_slots, stop_id_array
 from linnet_jax.models.params import unstack_layers
 
 PROMPT, CACHE = 512, 1024

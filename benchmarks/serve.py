@@ -406,7 +406,7 @@ def generate_sequential(args: argparse.Namespace, prompts: list[list[int]]) -> d
     """linnet_jax.generate() over the requests one after the other, each in a cache of max_len positions."""
     import jax
     import linnet_jax
-    from linnet_jax.generate import bucket
+    from linnet_jax.inputs import bucket
 
     load_s, model = timed(lambda: jax.block_until_ready(linnet_jax.load(args.model_path, progress=False)))
 

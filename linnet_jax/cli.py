@@ -99,7 +99,7 @@ def check_flags(arguments: argparse.ArgumentParser, args) -> None:
         return
     if args.command == "finetune":
         return
-    from linnet_jax.generate import MIN_BUCKET, make_sampling
+    from linnet_jax.inputs import MIN_BUCKET, make_sampling
 
     if args.command == "serve":
         if args.max_len < MIN_BUCKET:

@@ -15,22 +15,13 @@ import optax
 
 from linnet_jax.backend import decode_params, plan_for_platform
 from linnet_jax.decode import decode, empty_slots, free, insert, prefill
-from linnet_jax.generate import MIN_BUCKET, STOP_ID_SLOTS, make_requests, make_sampling
+from linnet_jax.inputs import MIN_BUCKET, STOP_ID_SLOTS, buckets, make_requests, make_sampling
 from linnet_jax.model import Model
 from linnet_jax.train.step import init_state, make_train_step
 
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 DECODE_STEPS = 8  # steps per decode call: `serve.Engine`'s default steps_per_dispatch
 TRAIN_LEARNING_RATE = 1e-4
-
-
-def prompt_buckets(max_len: int) -> list[int]:
-    """The prefill lengths a cache of max_len slots takes: powers of two from MIN_BUCKET below max_len, and
-    max_len itself (`serve.Engine.buckets`)."""
-    sizes = [MIN_BUCKET]
-    while sizes[-1] * 2 < max_len:
-        sizes.append(sizes[-1] * 2)
-    return sizes + [max_len] * (sizes[-1] < max_len)
 
 
 def shapes(tree):
@@ -56,7 +47,7 @@ def lowered(model: Model, platform: str, *, batch: int = 1, max_len: int = 1024)
     slots = jax.eval_shape(lambda: empty_slots(config, batch, max_len, STOP_ID_SLOTS, dtype))
     slot = jax.ShapeDtypeStruct((), jnp.int32)
     programs = {}
-    for length in prompt_buckets(max_len):
+    for length in buckets(max_len):
         tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
         prefix = jax.eval_shape(lambda: empty_slots(config, 1, length, STOP_ID_SLOTS, dtype))
         programs[f"prefill_{length}"] = prefill.trace(params, config, tokens, tokens, request, max_len, plan=plan)

@@ -13,8 +13,8 @@ import linnet_jax
 from linnet_jax import generate
 from linnet_jax.backend import plan_for_platform
 from linnet_jax.decode import FREE, LENGTH, RUNNING, decode, empty_slots, free, insert, prefill
-from linnet_jax.generate import (STOP_ID_SLOTS, bucket, left_pad, make_requests, make_sampling, new_slots,
-                                 stop_id_array)
+from linnet_jax.inputs import (STOP_ID_SLOTS, bucket, left_pad, make_requests, make_sampling, new_slots,
+                               stop_id_array)
 from linnet_jax.sharding import host
 
 UPDATE_OPS = ("stablehlo.dynamic_update_slice", "stablehlo.scatter")

@@ -8,6 +8,7 @@ from test_export_xla import eight_devices, run_python
 
 import linnet_jax
 from linnet_jax import generate
+from linnet_jax.inputs import RequestError
 from linnet_jax.serve import Engine, QueueFull
 
 
@@ -86,6 +87,11 @@ def test_queue_limit_and_bad_requests(tiny_dir):
             engine.submit(tokens=[3] * 64)
         with pytest.raises(ValueError, match="top_logprobs must be"):
             engine.submit(tokens=[3], top_logprobs=21)
+        for options, field in ((dict(max_tokens=30), "max_tokens"), (dict(temperature=-1), "temperature"),
+                               (dict(stop=[""]), "stop"), (dict(stop_token_ids=[10**6]), "stop_token_ids")):
+            with pytest.raises(RequestError) as refused:
+                engine.submit(tokens=[3] * 40, **options)
+            assert refused.value.field == field
     with pytest.raises(ValueError, match="slots must be a positive int"):
         Engine(model, slots=0)
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import linnet_jax
 from linnet_jax import Model, generate
+from linnet_jax.inputs import RequestError
 
 
 def with_smollm2_tokenizer(tiny_dir, smollm2, vocab: int) -> Model:
@@ -49,6 +50,21 @@ def test_numpy_ints_work_and_bad_values_are_refused(tiny_chat):
         generate(tiny_chat, "hi", 4, stop=[""])
     with pytest.raises(ValueError, match="return_details=True is for a call that returns"):
         generate(tiny_chat, "hi", 4, stream=True, return_details=True)
+
+
+@pytest.mark.parametrize("arguments, field", [
+    (dict(temperature=-1.0), "temperature"), (dict(temperature="hot"), "temperature"), (dict(top_k=-1), "top_k"),
+    (dict(top_p=0.0), "top_p"), (dict(min_p=2.0), "min_p"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(seed=2**64), "seed"), (dict(seed=[1, 2]), "seed"), (dict(stop=[""]), "stop"),
+    (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=5000), "max_new_tokens"), (dict(max_len=10**6), "max_len"),
+    (dict(stream=True, return_details=True), "stream"), (dict(prompt=[]), "prompt"), (dict(tokens=[[1]]), "prompt"),
+])
+def test_refusals_are_request_errors_naming_the_argument(tiny_chat, arguments, field):
+    with pytest.raises(RequestError) as refused:
+        generate(tiny_chat, **({"prompt": "hi"} | arguments))
+    assert refused.value.field == field and isinstance(refused.value, ValueError)
+    assert str(refused.value) == refused.value.message
 
 
 def test_seeds_are_signed_64_bit(tiny_chat):

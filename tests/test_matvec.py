@@ -84,7 +84,7 @@ def test_generate_on_smollm2_runs_the_kernels(smollm2):
     """The default path: `generate`'s decode program calls the kernels, and its greedy tokens are the ones
     XLA's own products give."""
     from linnet_jax.decode import decode
-    from linnet_jax.generate import new_slots
+    from linnet_jax.inputs import new_slots
 
     assert smollm2.plan.einsum is matvec.einsum
     program = decode.lower(smollm2.decode_params, smollm2.config, new_slots(smollm2, 1, 64), np.int32(4), 4,

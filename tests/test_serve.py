@@ -30,7 +30,8 @@ import linnet_jax
 from linnet_jax import generate
 from linnet_jax.cli import main
 from linnet_jax.serve import Engine
-from linnet_jax.serve.app import create_app, field_path
+from linnet_jax.serve.app import create_app
+from linnet_jax.serve.errors import field_path
 
 MODEL = "test-model"
 WORDS = "the sea a cat ran over blue hills while seven quiet birds sang of rain and bread".split()

@@ -9,6 +9,7 @@ import pytest
 import transformers
 
 from linnet_jax.gguf import read_gguf, write_gguf
+from linnet_jax.text import Cursor, Detokenizer
 from linnet_jax.tokenizer import Tokenizer
 
 TEXTS = [
@@ -196,3 +197,82 @@ def test_unsupported_gguf_tokenizer_model():
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
     with pytest.raises(ValueError, match="GGUF tokenizer metadata key 'tokenizer.ggml.merges' is missing"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a"]})
+
+
+# ---- incremental detokenization (linnet_jax.text.Detokenizer) ----
+
+def random_output(ours, seed: int, length: int) -> list[int]:
+    """Ids as a model might emit them: random vocabulary ids (byte tokens, halves of multi-byte characters,
+    special tokens) interleaved with the ids of multilingual text."""
+    rng = np.random.default_rng(seed)
+    ids: list[int] = []
+    while len(ids) < length:
+        ids += ours.encode(TEXTS[rng.integers(len(TEXTS))]) if rng.random() < 0.5 else \
+            rng.integers(0, ours.vocab_size, rng.integers(1, 8)).tolist()
+    return ids[:length]
+
+
+def fed(detokenizer: Detokenizer, ids: list[int], seed: int) -> str:
+    """Feed ids in random chunks, as dispatches deliver them; return the text a reader was shown meanwhile."""
+    rng, cursor, shown, start = np.random.default_rng(seed), Cursor(), "", 0
+    while start < len(ids):
+        end = start + int(rng.integers(1, 6))
+        detokenizer.add(ids[start:end])
+        shown += detokenizer.unread(cursor)[0]
+        start = end
+    return shown
+
+
+def cut_at_stops(ours, ids: list[int], stops: list[str]) -> tuple[str, list[int]]:
+    """The reference: the text of all the ids cut before the earliest stop string, and the longest prefix of
+    the ids whose text lies wholly before the cut."""
+    text = ours.decode(ids)
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if not found:
+        return text, ids
+    text = text[:min(found)]
+    return text, ids[:next(n for n in range(len(ids), -1, -1) if text.startswith(ours.decode(ids[:n])))]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_detokenizer_text_equals_decode_of_all_ids(ours, seed):
+    ids = random_output(ours, seed, 1500)
+    detokenizer = Detokenizer(ours)
+    shown = fed(detokenizer, ids, seed)
+    result = detokenizer.generation("length", [0.0] * len(ids))
+    assert result.text == ours.decode(ids) and result.tokens == ids
+    assert result.text.startswith(shown) and len(shown) > len(result.text) - 20
+    assert any(ord(c) > 0x7FF for c in result.text), "multi-byte characters are in the output"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_detokenizer_stop_strings_cut_as_the_whole_text_would(ours, seed):
+    ids = random_output(ours, seed, 300)
+    text, rng = ours.decode(ids), np.random.default_rng(seed)
+    stops = [text[i:i + int(rng.integers(1, 5))] for i in rng.integers(len(text) // 3, len(text), 2)] + ["zz-never"]
+    detokenizer = Detokenizer(ours, stops)
+    shown = fed(detokenizer, ids, seed)
+    result = detokenizer.generation("length", list(range(len(ids))))
+    want_text, want_ids = cut_at_stops(ours, ids, stops)
+    assert (result.text, result.tokens, result.stop_reason) == (want_text, want_ids, "stop")
+    assert result.logprobs == list(range(len(want_ids)))
+    assert want_text.startswith(shown) and not any(s in shown for s in stops)
+
+
+def test_detokenizer_decodes_each_id_once_not_the_whole_text_again(ours):
+    """The ids passed to the tokenizer's decode grow linearly with the output (rebuilding the text from the first
+    id at every step would pass n²/2 of them)."""
+    class Counting:
+        def __init__(self):
+            self.ids = 0
+
+        def decode(self, ids, **options):
+            self.ids += len(ids)
+            return ours.decode(ids, **options)
+
+    counting, ids = Counting(), random_output(ours, 7, 4000)
+    detokenizer = Detokenizer(counting, ["zz-never", "§§§"])
+    for token in ids:
+        detokenizer.add([token])
+    assert detokenizer.generation("length", []).text == ours.decode(ids)
+    assert counting.ids < 8 * len(ids), counting.ids

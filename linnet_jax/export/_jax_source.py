@@ -37,7 +37,7 @@ MODEL_SOURCES: dict[str, list[str]] = {
     "linnet_jax.models.lora": ["Lora", "lora_term"],
     "linnet_jax.models.decoder": ["KVCache", "init_cache", "project_qkv", "ring_write", "update_cache",
                                   "record_positions", "advance", "decoder_layer", "forward", "layer_params"],
-    "linnet_jax.generate": ["MIN_BUCKET", "bucket", "left_pad"],
+    "linnet_jax.inputs": ["MIN_BUCKET", "bucket", "left_pad"],
 }
 
 IMPORTS = """\

@@ -35,7 +35,7 @@ from tqdm import tqdm  # the text bar: tqdm.auto needs ipywidgets in notebooks
 
 from linnet_jax.files import (MODEL_FILES, generation_config, prepare_target, staged, write_json,
                               write_model_files)
-from linnet_jax.generate import bucket
+from linnet_jax.inputs import bucket
 from linnet_jax.models import Config, KVCache, Params, forward, init_cache
 
 from linnet_jax.models.params import flatten_params, unflatten_params, unstack_layers

@@ -4,15 +4,14 @@ Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sen
 /v1/models, GET /health, GET /metrics (Prometheus text), POST /tokenize and /detokenize. The app knows the
 engine's Python API only (`submit`, handles, `stats`, `on_finish`, `compiles_after_warmup`).
 
-Errors are OpenAI's JSON, `{"error": {"message", "type", "param", "code"}}`: 400 naming the field for a body
-that is not JSON, a wrong type, a bad value, a field this server does not implement, a prompt that cannot fit;
-401 without the API key; 404 for an unknown model; 429 with Retry-After when the engine's queue is full; 503
+Errors (`linnet_jax.serve.errors`) are OpenAI's JSON, `{"error": {"message", "type", "param", "code"}}`: 400
+naming the field for a body that is not JSON, a wrong type, a bad value, a field this server does not implement,
+a prompt that cannot fit; 401 without the API key; 404 for an unknown model; 429 with Retry-After when the engine's queue is full; 503
 while shutting down. A client that disconnects has its requests cancelled: their slots are free before the
-engine's next decode dispatch.
+engine's next decode dispatch. The Prometheus metrics are `linnet_jax.serve.metrics`.
 """
 
 import asyncio
-import hmac
 import json
 import logging
 import secrets
@@ -21,156 +20,22 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from starlette.datastructures import Headers
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from linnet_jax._version import __version__
 from linnet_jax.serve.engine import Engine, Handle, Piece, QueueFull
+from linnet_jax.serve.errors import (BAD_INPUT, APIError, ASCIIJSONResponse, BearerAuth, error_response,
+                                     request_error, validation_error)
+from linnet_jax.serve.metrics import Metrics
 from linnet_jax.serve.protocol import (ChatCompletions, ChatRequest, CompletionRequest, Completions, DetokenizeRequest,
                                        Output, Sampling, Shape, TokenizeRequest, engine_options, finish_reason,
                                        message_dicts, refused_field, usage)
 
 log = logging.getLogger("linnet_jax.serve")
-ERROR_TYPES = {429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}  # else invalid_request_error
-# Engine error messages -> the request field they are about (checked in this order; else the prompt).
-ENGINE_FIELDS = (("max_tokens", "max_tokens"), ("stop token", "stop_token_ids"), ("stop", "stop"),
-                 ("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
-                 ("repetition_penalty", "repetition_penalty"), ("seed", "seed"))
-BAD_INPUT = (ValueError, TypeError, OverflowError, jinja2.TemplateError)
-TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 RETRY_AFTER_S = 1
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-
-
-class ASCIIJSONResponse(JSONResponse):
-    """JSON with non-ASCII characters escaped, so that text holding a lone surrogate is still sent."""
-
-    def render(self, content) -> bytes:
-        return json.dumps(content, separators=(",", ":")).encode("ascii")
-
-
-def error_response(error: APIError) -> Response:
-    body = {"error": {"message": error.message, "type": ERROR_TYPES.get(error.status, "invalid_request_error"),
-                      "param": error.param, "code": error.code}}
-    return ASCIIJSONResponse(body, status_code=error.status, headers=error.headers)
-
-
-def validation_error(exc: RequestValidationError) -> APIError:
-    """The first pydantic error of a request body, as a 400 naming the field (`messages[0].content`)."""
-    first = exc.errors()[0]
-    loc = [part for part in first.get("loc", ()) if part != "body"]
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {first.get('msg')}", code="invalid_json")
-    param = field_path(loc)
-    where = f"{param}: " if param else "the request body: "
-    return APIError(400, where + str(first.get("msg")), param)
-
-
-def field_path(loc: list) -> str | None:
-    """A pydantic error location as a field path (`messages[0].content`), without union member tags."""
-    if not loc or not isinstance(loc[0], str):
-        return None
-    path = loc[0]
-    for part in loc[1:]:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif isinstance(part, str) and part.isidentifier() and part not in TYPE_TAGS:
-            path += f".{part}"
-        else:
-            break
-    return path
-
-
-def engine_error(error: Exception, prompt_field: str) -> APIError:
-    """A ValueError (or template error) from the engine or tokenizer as a 400 naming the field it is about."""
-    message = " ".join(str(error).split())
-    param = next((field for word, field in ENGINE_FIELDS if message.startswith(word) or f" {word}" in message),
-                 prompt_field)
-    return APIError(400, message, param)
-
-
-def authorized(header: str | None, key: str) -> bool:
-    """Whether an Authorization header carries `Bearer key` (compared in constant time)."""
-    scheme, _, token = (header or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
-
-
-class BearerAuth:
-    """ASGI middleware: every path but /health needs `Authorization: Bearer KEY` (else 401)."""
-
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health" \
-                and not authorized(Headers(scope=scope).get("authorization"), self.key):
-            response = error_response(APIError(401, "a valid API key is needed: Authorization: Bearer KEY",
-                                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
-            return await response(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
-class EngineCollector:
-    """Prometheus gauges and counters read from `engine.stats()` at each scrape."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-
-    def collect(self):
-        stats = self.engine.stats()
-        for name, key, text in (("requests_running", "running", "requests holding a slot"),
-                                ("requests_queued", "queued", "requests waiting for a slot"),
-                                ("busy_slots", "busy_slots", "cache slots in use"),
-                                ("slots", "slots", "cache slots")):
-            yield GaugeMetricFamily(f"linnet_jax_{name}", text, value=stats[key])
-        yield CounterMetricFamily("linnet_jax_generated_tokens", "tokens generated", value=stats["tokens_generated"])
-        yield CounterMetricFamily("linnet_jax_requests_finished", "requests finished (cancelled ones included)",
-                                  value=stats["requests_finished"])
-        compiles = self.engine.compiles_after_warmup
-        if compiles is not None:
-            yield GaugeMetricFamily("linnet_jax_compiles_after_warmup", "programs compiled after engine.warmup()",
-                                    value=compiles)
-
-
-class Metrics:
-    """The app's Prometheus registry: the engine's state and the TTFT and time-per-output-token histograms
-    (observed by `engine.on_finish` as each request finishes)."""
-
-    def __init__(self, engine: Engine):
-        self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine))
-        self.ttft = Histogram("linnet_jax_time_to_first_token_seconds", "from submission to the first token",
-                              buckets=TTFT_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("linnet_jax_time_per_output_token_seconds", "decode time per token after the first",
-                              buckets=TPOT_BUCKETS, registry=self.registry)
-        engine.on_finish.append(self.observe)
-
-    def observe(self, handle: Handle) -> None:
-        if handle.first_token_at is None:
-            return
-        self.ttft.observe(handle.first_token_at - handle.submitted)
-        tokens = len(handle.generation.tokens)
-        if tokens > 1:
-            self.tpot.observe((time.perf_counter() - handle.first_token_at) / (tokens - 1))
-
-    def text(self) -> bytes:
-        return generate_latest(self.registry)
 
 
 def completion_prompts(prompt) -> list[dict]:
@@ -207,7 +72,7 @@ def submit_error(error: BaseException, prompt_field: str) -> BaseException:
     if isinstance(error, QueueFull):
         return APIError(429, str(error), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(error, BAD_INPUT):
-        return engine_error(error, prompt_field)
+        return request_error(error, prompt_field)
     if isinstance(error, RuntimeError):
         return APIError(503, str(error), code="shutting_down")
     return error
@@ -379,7 +244,7 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
                    needs_tokenizer().apply_chat_template(message_dicts(body.messages), tokenize=True,
                                                          add_generation_prompt=body.add_generation_prompt))
         except BAD_INPUT as error:
-            raise engine_error(error, field) from error
+            raise request_error(error, field) from error
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_len}
 
     @app.post("/detokenize")
@@ -388,7 +253,7 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
         try:
             return {"prompt": needs_tokenizer().decode(body.tokens)}
         except BAD_INPUT as error:
-            raise engine_error(error, "tokens") from error
+            raise request_error(error, "tokens") from error
 
     return app
 

@@ -13,7 +13,6 @@ are the ones `generate` gives for the same arguments: everything it owns lives i
 
 import asyncio
 import dataclasses
-import itertools
 import secrets
 import threading
 import time
@@ -23,12 +22,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import jax
 import numpy as np
 
-from linnet_jax.decode import RUNNING, STOP_ID, TOP_LOGPROBS, TRACES, decode, free, insert, prefill
-from linnet_jax.generate import (MIN_BUCKET, Generation, check_max_new_tokens, cut_at_stop, eos_ids, finish_row,
-                                 held_back, left_pad, make_prompts, make_requests, make_sampling, new_slots,
-                                 stop_id_array)
+from linnet_jax.decode import TOP_LOGPROBS, TRACES, decode, free
+from linnet_jax.inputs import (MIN_BUCKET, RequestError, admit, bucket, buckets, check_max_new_tokens, eos_ids,
+                               make_prompts, new_slots, sampling_options)
 from linnet_jax.model import Model
 from linnet_jax.sharding import host
+from linnet_jax.text import Cursor, Detokenizer, Generation, take
 
 
 class QueueFull(RuntimeError):
@@ -52,7 +51,6 @@ class Work:
 
     prompt: list[int]
     request: object  # linnet_jax.decode.Request, one row
-    stops: list[str]
     top_logprobs: int  # how many alternatives to report beside each token (0: none)
     handle: "Handle"
 
@@ -60,9 +58,9 @@ class Work:
 class Handle:
     """One submitted request. Iterate it (or `async for`) for `Piece`s; `result()` for the `Generation`."""
 
-    def __init__(self, engine: "Engine", prompt_tokens: int, stops: list[str]):
-        self.engine, self.prompt_tokens, self.stops = engine, prompt_tokens, stops
-        self.tokens: list[int] = []
+    def __init__(self, engine: "Engine", prompt_tokens: int, stops: tuple[str, ...]):
+        self.engine, self.prompt_tokens = engine, prompt_tokens
+        self.text = Detokenizer(engine.model.tokenizer, stops)  # the ids so far, and their text
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []
         self.generation: Generation | None = None
@@ -76,6 +74,11 @@ class Handle:
     def done(self) -> bool:
         return self.generation is not None
 
+    @property
+    def tokens(self) -> list[int]:
+        """The ids generated so far (the stop id that ended the request aside)."""
+        return self.text.ids
+
     def cancel(self) -> None:
         """Stop generating: the slot is freed before the engine's next decode dispatch."""
         self.cancelled = True
@@ -88,12 +91,15 @@ class Handle:
                 raise TimeoutError(f"the request did not finish within {timeout} s")
         return self.generation
 
+    def _news(self, cursor: Cursor) -> bool:
+        return self.done or self.text.shown > cursor.point
+
     def __iter__(self) -> Iterator[Piece]:
-        sent = Sent()
-        while not sent.final:
+        cursor = Cursor()
+        while not cursor.done:
             with self._changed:
-                self._changed.wait_for(lambda: self.done or len(self.tokens) > sent.tokens)
-            piece = self._next_piece(sent)
+                self._changed.wait_for(lambda: self._news(cursor))
+            piece = self._next_piece(cursor)
             if piece is not None:
                 yield piece
 
@@ -102,58 +108,54 @@ class Handle:
         notify = lambda: loop.call_soon_threadsafe(changed.set)  # noqa: E731
         with self._changed:
             self._listeners.append(notify)
-        sent = Sent()
+        cursor = Cursor()
         try:
-            while not sent.final:
-                if not (self.done or len(self.tokens) > sent.tokens):
+            while not cursor.done:
+                if not self._news(cursor):
                     await changed.wait()
                 changed.clear()
-                piece = self._next_piece(sent)
+                piece = self._next_piece(cursor)
                 if piece is not None:
                     yield piece
         finally:
             with self._changed:
                 self._listeners.remove(notify)
 
-    def _next_piece(self, sent: "Sent") -> Piece | None:
-        """What is new since `sent` (updated), or None. Text that a stop string or a partial character may still
+    def _next_piece(self, cursor: Cursor) -> Piece | None:
+        """What is new since `cursor` (moved on), or None. Text that a stop string or a partial character may still
         change is held back, with its tokens; the final piece ends exactly at the Generation's text and tokens."""
         with self._changed:
             final = self.generation
-            tokens, logprobs = (final.tokens, final.logprobs) if final else (list(self.tokens), list(self.logprobs))
-            top = self.top[:len(tokens)]
-        tokenizer = self.engine.model.tokenizer
-        text = final.text if final else (tokenizer.decode(tokens) if tokenizer else None)
-        if final is None and text is not None and (
-                held_back(text, self.stops) or cut_at_stop(text, self.stops) is not None):
-            return None  # a stop string's prefix, or a whole one (the engine is about to finish the request)
-        piece = Piece(text=(text or "")[sent.chars:], tokens=tokens[sent.tokens:], logprobs=logprobs[sent.tokens:],
-                      top_logprobs=top[sent.tokens:])
-        sent.chars, sent.tokens, sent.final = len(text or ""), len(tokens), final is not None
+            text, ids = self.text.unread(cursor, final)
+            tokens = (final.tokens if final else self.text.ids)[ids]
+            logprobs = (final.logprobs if final else self.logprobs)[ids]
+            piece = Piece(text=text, tokens=tokens, logprobs=logprobs, top_logprobs=self.top[ids])
         return piece if (piece.text or piece.tokens) else None
 
-    def _update(self, tokens: list[int], logprobs: list[float], top: list[list[tuple[int, float]]] = (),
-                generation: Generation | None = None) -> None:
+    def _add(self, tokens: list[int], logprobs: list[float], top: list, finish: int, eos: set[int]) -> str | None:
+        """A dispatch's new tokens of this request (finish: its row's state after them), detokenized here on the
+        scheduler thread; returns why the request stopped (`linnet_jax.text.take`), or None while it runs."""
         with self._changed:
-            if tokens and self.first_token_at is None:
+            if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
-            self.tokens += tokens
-            self.logprobs += logprobs
-            self.top += top
-            self.generation = generation
+            kept, reason = take(self.text, tokens, finish, eos)
+            self.logprobs += logprobs[:kept]
+            self.top += top[:kept]
+        self._notify()
+        return reason
+
+    def _finish(self, reason: str) -> None:
+        """The request's Generation, as generate makes it. reason: "eos", "stop", "length" or "cancelled"."""
+        with self._changed:
+            self.generation = self.text.generation(reason, self.logprobs)
+        self._notify()
+
+    def _notify(self) -> None:
+        with self._changed:
             self._changed.notify_all()
             listeners = list(self._listeners)
         for notify in listeners:
             notify()
-
-
-@dataclasses.dataclass
-class Sent:
-    """How much of a request's output an iterator has handed out."""
-
-    chars: int = 0
-    tokens: int = 0
-    final: bool = False
 
 
 class Engine:
@@ -175,6 +177,7 @@ class Engine:
             raise ValueError(f"max_len must be in [{MIN_BUCKET}, {model.config.max_position_embeddings}] (the model's "
                              f"context), got {max_len}")
         self.model, self.max_len, self.max_queue = model, int(max_len), int(max_queue)
+        self.eos = eos_ids(model)
         self.steps, self.prefills_per_step = int(steps_per_dispatch), int(prefills_per_step)
         self.state = new_slots(model, int(slots), self.max_len)
         self.owners: list[Work | None] = [None] * int(slots)
@@ -195,13 +198,11 @@ class Engine:
 
     def buckets(self) -> list[int]:
         """The prefill lengths: powers of two from 16 below max_len, and max_len itself."""
-        sizes = [MIN_BUCKET]
-        while sizes[-1] * 2 < self.max_len:
-            sizes.append(sizes[-1] * 2)
-        return sizes + [self.max_len] * (sizes[-1] < self.max_len)
+        return buckets(self.max_len)
 
     def bucket(self, length: int) -> int:
-        return next(size for size in self.buckets() if size >= length)
+        """The prefill length of a prompt of `length` tokens."""
+        return bucket(length, self.max_len)
 
     def submit(self, prompt=None, *, tokens=None, max_tokens: int | None = None, temperature=0.0, top_k=0, top_p=1.0,
                min_p=0.0, repetition_penalty=1.0, seed: int | None = None, choice: int = 0, stop=None,
@@ -211,34 +212,32 @@ class Engine:
         max_tokens: default, what the slot has room for (max_len minus the prompt). seed: None draws one
         at random for a sampled request; choice i draws stream i of the seed (OpenAI's n), as row i of
         `generate(..., seed=seed)` does. top_logprobs: report that many most likely tokens (≤ TOP_LOGPROBS) beside
-        each. A ValueError names what is wrong; QueueFull when the queue is full.
+        each. A RequestError (a ValueError) names the field that is wrong; QueueFull when the queue is full.
         """
         prompts = make_prompts(self.model, prompt, tokens, chat)
         if len(prompts.prompts) != 1:
-            raise ValueError("submit takes one prompt (a string, a conversation or a list of ids)")
+            raise RequestError("prompt", "submit takes one prompt (a string, a conversation or a list of ids)")
         ids = prompts.prompts[0]
         if len(ids) >= self.max_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the engine's slots hold max_len={self.max_len} "
-                             f"positions, prompt and new tokens together")
+            raise RequestError("prompt", f"the prompt has {len(ids)} tokens; the engine's slots hold "
+                                         f"max_len={self.max_len} positions, prompt and new tokens together")
         room = self.max_len - len(ids)
-        max_tokens = room if max_tokens is None else check_max_new_tokens(max_tokens)
+        max_tokens = room if max_tokens is None else check_max_new_tokens(max_tokens, "max_tokens")
         if max_tokens > room:
-            raise ValueError(f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the engine's "
-                             f"max_len of {self.max_len} positions")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+            raise RequestError("max_tokens", f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                                             f"the engine's max_len of {self.max_len} positions")
         if isinstance(choice, bool) or not isinstance(choice, (int, np.integer)) or choice < 0:
-            raise ValueError(f"choice must be an int ≥ 0, got {choice!r}")
+            raise RequestError("choice", f"choice must be an int ≥ 0, got {choice!r}")
         if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, (int, np.integer)) \
                 or not 0 <= top_logprobs <= TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be an int in [0, {TOP_LOGPROBS}], got {top_logprobs!r}")
+            raise RequestError("top_logprobs", f"top_logprobs must be an int in [0, {TOP_LOGPROBS}], "
+                                               f"got {top_logprobs!r}")
         seed = secrets.randbits(63) if seed is None else seed
-        rows = make_sampling(choice + 1, temperature, top_k, top_p, min_p, repetition_penalty, seed)
-        sampling = jax.tree.map(lambda column: column[choice:choice + 1], rows)  # row `choice`: stream `choice`
-        request = make_requests(sampling, stop_id_array(self.model, stop_token_ids, ignore_eos), max_tokens)
-        work = Work(prompt=ids, request=request, stops=stops, top_logprobs=int(top_logprobs),
-                    handle=Handle(self, len(ids), stops))
+        options = sampling_options(self.model, choice + 1, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop,
+                                   stop_token_ids=stop_token_ids, ignore_eos=ignore_eos).row(choice)
+        work = Work(prompt=ids, request=options.requests(max_tokens), top_logprobs=int(top_logprobs),
+                    handle=Handle(self, len(ids), options.stops))
         with self._wake:
             if self._closing:
                 raise RuntimeError("the engine is shutting down: it admits no new requests")
@@ -324,17 +323,13 @@ class Engine:
 
     def _admit(self) -> None:
         """Prefill and insert up to prefills_per_step queued requests into free slots."""
-        model = self.model
         for _ in range(self.prefills_per_step):
             slot = next((s for s, owner in enumerate(self.owners) if owner is None), None)
             with self._wake:
                 if slot is None or not self.queue:
                     return
                 work = self.queue.popleft()
-            tokens, positions = left_pad([work.prompt], self.bucket(len(work.prompt)))
-            prefix = prefill(model.decode_params, model.config, tokens, positions, work.request, self.max_len,
-                             plan=model.plan)
-            self.state = insert(prefix, self.state, slot)
+            self.state = admit(self.model, self.state, slot, work.prompt, work.request)
             with self._wake:
                 self.owners[slot] = work
             row = jax.tree.map(lambda column: host(column)[slot], (self.state.token, self.state.logprob,
@@ -371,19 +366,10 @@ class Engine:
     def _deliver(self, slot: int, tokens: list[int], logprobs: list[float], top: list, finish: int) -> None:
         """A slot's new tokens to its request (finish: its row's finish state after them); the request finished
         when its row did or a stop string appeared. A stop id that finished the row never reaches the stream."""
-        work = self.owners[slot]
         self.counters["tokens_generated"] += len(tokens)
-        tokenizer = self.model.tokenizer
-        stop_id = tokens[-1] if finish == STOP_ID else None
-        if stop_id is not None:
-            tokens, logprobs, top = tokens[:-1], logprobs[:-1], top[:-1]
-        work.handle._update(tokens, logprobs, top)
-        if work.stops and cut_at_stop(tokenizer.decode(work.handle.tokens), work.stops) is not None:
-            self._vacate(slot, "length")  # finish_row finds the stop string and says "stop"
-        elif stop_id is not None:
-            self._vacate(slot, "eos" if stop_id in eos_ids(self.model) else "stop")
-        elif finish != RUNNING:
-            self._vacate(slot, "length")
+        reason = self.owners[slot].handle._add(tokens, logprobs, top, finish, self.eos)
+        if reason is not None:
+            self._vacate(slot, reason)
 
     def _vacate(self, slot: int, reason: str) -> None:
         self.state = free(self.state, slot)
@@ -392,11 +378,8 @@ class Engine:
         self._finish(work, reason)
 
     def _finish(self, work: Work, reason: str) -> None:
-        """The request's Generation, as generate makes it: the text cut at a stop string. reason: "eos", "stop"
-        (a stop id), "length" or "cancelled"."""
-        handle = work.handle
-        generation = finish_row(self.model.tokenizer, list(handle.tokens), reason, list(handle.logprobs), work.stops)
+        """The request's Generation, as generate makes it. reason: "eos", "stop", "length" or "cancelled"."""
         self.counters["requests_finished"] += 1
-        handle._update([], [], [], generation)
+        work.handle._finish(reason)
         for hook in self.on_finish:
-            hook(handle)
+            hook(work.handle)

@@ -15,9 +15,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from linnet_jax.decode import TOP_LOGPROBS
+from linnet_jax.inputs import SEED_RANGE
 from linnet_jax.serve.engine import Handle, Piece
 
-SEED_RANGE = (-(2**63), 2**63 - 1)
 # OpenAI fields this server does not implement -> the values that mean "not used" (accepted).
 REFUSED = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
@@ -49,7 +49,7 @@ class Sampling(Strict):
     top_k: int | None = Field(None, ge=-1)  # -1 (vLLM's spelling) or 0: no top-k
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
-    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
