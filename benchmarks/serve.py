@@ -423,10 +423,10 @@ def worker_main(args: argparse.Namespace) -> int:
 def run_offline_worker(name: str, args: argparse.Namespace, hf_dir: Path) -> dict:
     """This file as `--worker name` in a fresh process; its reply, or {"error"} if it died."""
     return run_worker([sys.executable, str(Path(__file__).resolve()), "--worker", name, "--hf-dir", str(hf_dir),
-               "--requests", str(args.requests), "--new-tokens", str(args.new_tokens), "--concurrency",
-               str(args.concurrency), "--max-len", str(args.max_len),
-               "--prompt-lengths", "-".join(map(str, args.prompt_lengths)),
-               *(["--model-path", str(args.model_path)] if args.model_path else [])])
+                       "--requests", str(args.requests), "--new-tokens", str(args.new_tokens), "--concurrency",
+                       str(args.concurrency), "--max-len", str(args.max_len),
+                       "--prompt-lengths", "-".join(map(str, args.prompt_lengths)),
+                       *(["--model-path", str(args.model_path)] if args.model_path else [])])
 
 
 def measure_offline(name: str, args: argparse.Namespace, hf_dir: Path) -> Row:

@@ -78,7 +78,7 @@ def transformers_steps(lora: bool, args) -> tuple[list[float], float]:
     data = batch(model.config.vocab_size, args.batch, args.seq_len)
     tokens = torch.tensor(data["tokens"], dtype=torch.long)
 
-    def one_step(state: None):
+    def one_step(state):  # None: torch's model and optimizer keep their own state
         logits = model(tokens).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()

@@ -72,10 +72,8 @@ class Export:
         t = min((t for t in self.prefill if t >= len(ids)), default=None)  # the prompt's bucket
         if t is None or t + max_new_tokens > self.manifest["max_len"]:
             raise ValueError(f"{len(ids)} prompt ids and {max_new_tokens} new tokens do not fit the exported cache")
-        tokens, positions = left_padded(ids, t, self.manifest["batch"])
-        cache = self.empty_cache()
-        self.check_room(cache, t)
-        return self.prefill[t](self.weights, tokens, positions, cache)
+        tokens, positions = left_padded(ids, t, self.manifest["batch"])  # into an empty cache: room for t + new
+        return self.prefill[t](self.weights, tokens, positions, self.empty_cache())
 
     def greedy(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], np.ndarray]:
         """Greedy continuation of one prompt, the decode program called once per token from Python:
