@@ -592,8 +592,8 @@ def roofline_line(results: list[Measured], bandwidth: float, sizes: tuple[int, i
 
 def jax_only_rss_gib() -> float:
     """The peak RSS of a fresh process that has only imported jax and run one op on the CPU."""
-    script = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import jax.numpy as jnp; from harness import peak_rss_gib; "
-              "jnp.zeros(1).block_until_ready(); print(peak_rss_gib())")
+    script = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import jax.numpy as jnp; "
+              "from harness import peak_rss_gib; jnp.zeros(1).block_until_ready(); print(peak_rss_gib())")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     return float(out.split()[-1])
 

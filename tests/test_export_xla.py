@@ -1,6 +1,6 @@
 """The exports that stay in XLA, verified by running them in a fresh process that cannot import linnet_jax
-(nor flax): export.stablehlo through the load.py every export carries, export.jax_source's generated model.py. Greedy ids
-must equal linnet_jax.generate, logits linnet_jax.logits; each reports its distance from transformers."""
+(nor flax): export.stablehlo through the load.py every export carries, export.jax_source's generated model.py.
+Greedy ids must equal linnet_jax.generate, logits linnet_jax.logits; each reports its distance from transformers."""
 
 import ast
 import importlib.util
