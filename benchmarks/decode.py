@@ -31,7 +31,7 @@ What is measured, per system:
 
 Rows for linnet_jax's exports (`Exported`) write the export in a child process before the timed load (so
 neither its time nor its memory counts), then use only what it wrote: the StableHLO programs deserialized and
-called (README's loader; no linnet_jax), the generated model.py imported from its path, or the GGUF file run
+called (the export's load.py; no linnet_jax), the generated model.py imported from its path, or the GGUF file run
 by llama.cpp (llama-cpp-python, 2 threads, float32 KV cache). The StableHLO programs return last-position
 logits only, so that row's distance covers the prompt's last position. A note line gives linnet_jax's native
 decode as a multiple of llama.cpp f32's.
@@ -46,40 +46,28 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.metadata
-import importlib.util
 import itertools
 import json
 import multiprocessing
 import os
-import platform
-import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "RESULTS.md"
-MARK_START, MARK_END = "<!-- decode-table:start -->", "<!-- decode-table:end -->"
+from harness import (HERE, RESULTS, TORCH_INSTALL, TORCH_THREADS, WORKER_ENV, code_version, command_line,
+                     decode_tok_s, error_reply, fmt, import_path, leading_agreement, machine, median,
+                     missing_modules, no_figures, peak_rss_gib, plural, protocol_channel, ratio, timed, versions,
+                     write_json, write_results)
+
+MARKS = ("<!-- decode-table:start -->", "<!-- decode-table:end -->")
 REFERENCE = "transformers"  # distance and agreement are measured against this system
 BASELINE = "linnet_jax"  # decode speed ratios are against this system
 DECODE_GOAL = 1.1  # linnet_jax's decode as a multiple of llama.cpp f32's (issue 13)
 RSS_GOAL = 1.3  # peak RSS less a jax-only process's, as a multiple of weights + cache (issue 13)
-TORCH_THREADS = 2
-TORCH_INSTALL = ("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && "
-                 "pip install transformers==5.24.0")
 LLAMA_CPP_INSTALL = "pip install llama-cpp-python==0.3.16  # builds llama.cpp from source: about 13 minutes on 2 cores"
-
-
-def missing_modules(modules: tuple[str, ...], install: str) -> str | None:
-    """"not installed: ..." with the command that installs them, when any of `modules` cannot be imported; else None."""
-    absent = [m for m in modules if importlib.util.find_spec(m) is None]
-    return f"not installed (no {', '.join(absent)}): {install}" if absent else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,8 +228,8 @@ class Exported(System):
 
 @register("stablehlo")
 class StableHLOReloaded(Exported):
-    """`export.stablehlo`'s serialized programs, deserialized as README's loader does (no linnet_jax): a prefill
-    program, then the decode program inside one on-device greedy loop (`greedy_loop`).
+    """`export.stablehlo`'s programs run by the export's own load.py (no linnet_jax): a prefill program, then the
+    decode program inside one on-device greedy loop (`Export.greedy_ids`).
 
     Its programs return the last position's logits only, so its distance covers the prompt's last position."""
 
@@ -252,58 +240,14 @@ class StableHLOReloaded(Exported):
         return {"max_len": self.max_len}
 
     def load(self) -> None:
-        import jax
-        from safetensors.numpy import load_file
-
-        self.jax, manifest = jax, json.loads((self.export / "manifest.json").read_text())
-
-        def program(files: dict):  # a deserialized export, jitted, its cache argument donated
-            return jax.jit(jax.export.deserialize((self.export / files["serialized"]).read_bytes()).call,
-                           donate_argnums=3)
-
-        self.prefill = {int(t): program(files) for t, files in manifest["prefill"].items()}
-        self.cache = manifest["cache"]
-        self.decode_loop = greedy_loop(jax.export.deserialize((self.export / manifest["decode"]["serialized"])
-                                                              .read_bytes()))
-        self.weights = jax.block_until_ready(jax.device_put(load_file(self.export / manifest["weights"]["file"])))
-
-    def prompt_logits(self, ids: np.ndarray):
-        """(last-position logits [1, V], cache) of the prefill program of the prompt's bucket, left-padded."""
-        t = min(t for t in self.prefill if t >= len(ids))
-        tokens, positions = np.zeros((1, t), np.int32), np.full((1, t), -1, np.int32)
-        tokens[0, t - len(ids):], positions[0, t - len(ids):] = ids, np.arange(len(ids))
-        cache = {name: self.jax.numpy.full(c["shape"], c["fill"], c["dtype"]) for name, c in self.cache.items()}
-        return self.prefill[t](self.weights, tokens, positions, cache)
+        self.exported = import_path(self.export / "load.py").Export(self.export)
 
     def generate(self, ids: np.ndarray, new_tokens: int) -> list[int]:
-        logits, cache = self.prompt_logits(ids)
-        first = np.int32(np.asarray(logits[0]).argmax())
-        if new_tokens == 1:
-            return [int(first)]
-        more = self.decode_loop(self.weights, first, np.int32(len(ids)), cache, new_tokens - 1)
-        return [int(first), *np.asarray(more).tolist()]
+        return self.exported.greedy_ids(ids.tolist(), new_tokens)
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
-        return np.asarray(self.prompt_logits(ids)[0], np.float32)
-
-
-def greedy_loop(decode):
-    """A jitted greedy loop on the device around a deserialized one-token decode program (batch 1):
-    (weights, first token, its position, cache, steps) -> the `steps` next ids [steps]. One dispatch per
-    generation, as `generate` runs; `jax.export`'s programs are callable inside `lax.fori_loop`."""
-    import jax
-    import jax.numpy as jnp
-
-    def loop(weights, token, position, cache, steps):
-        def step(i, carry):
-            token, cache, new = carry
-            logits, cache = decode.call(weights, token.reshape(1), (position + i).reshape(1), cache)
-            token = jnp.argmax(logits[0]).astype(jnp.int32)
-            return token, cache, new.at[i].set(token)
-
-        return jax.lax.fori_loop(0, steps, step, (token, cache, jnp.zeros(steps, jnp.int32)))[2]
-
-    return jax.jit(loop, static_argnums=4)  # the cache is not returned, so nothing to donate it to
+        """The prompt's last position's logits [1, V]: the prefill program's."""
+        return np.asarray(self.exported.start(ids.tolist())[0], np.float32)
 
 
 @register("jax_source")
@@ -316,9 +260,7 @@ class GeneratedJax(Exported):
     def load(self) -> None:
         import jax
 
-        spec = importlib.util.spec_from_file_location("linnet_generated_model", self.export / "model.py")
-        self.module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(self.module)
+        self.module = import_path(self.export / "model.py")
         self.params = jax.block_until_ready(self.module.load_weights())
         self.forward = jax.jit(lambda params, tokens: self.module.forward(
             params, self.module.CONFIG, tokens, jax.numpy.arange(tokens.shape[1])[None])[0])
@@ -382,27 +324,6 @@ def prompt_ids(length: int) -> np.ndarray:
     return np.random.default_rng(0).integers(100, 40000, size=length)
 
 
-def timed(fn, *args):
-    """(seconds, result) of one call."""
-    start = time.perf_counter()
-    result = fn(*args)
-    return time.perf_counter() - start, result
-
-
-def peak_rss_gib() -> float:
-    """This process's own peak resident set size (VmHWM), in GiB. Not ru_maxrss: Linux carries that over from
-    the parent across fork and exec, so a worker started by a larger process would report the parent's peak."""
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 2**20
-
-
-def protocol_channel():
-    """A private copy of stdout for replies; fd 1 then points at stderr, so library prints stay off the protocol."""
-    channel = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    return channel
-
-
 def handle(system: System, ids: np.ndarray, command: dict) -> dict:
     """One command's reply."""
     if command["cmd"] == "run":
@@ -415,10 +336,6 @@ def handle(system: System, ids: np.ndarray, command: dict) -> dict:
         np.save(command["path"], system.logits(ids))
         return {"path": command["path"]}
     raise ValueError(f"unknown command {command['cmd']!r}")
-
-
-def error_reply(error: BaseException) -> dict:
-    return {"error": f"{type(error).__name__}: {error}".strip()}
 
 
 def serve(name: str, model_path: Path, prompt_tokens: int, new_tokens: int) -> None:
@@ -473,12 +390,12 @@ class Measured:
     @property
     def ttft(self) -> float | None:
         """The median TTFT in seconds, None without a measured run."""
-        return statistics.median(self.ttft_s) if self.ttft_s else None
+        return median(self.ttft_s)
 
     @property
     def decode(self) -> float | None:
         """The median decode tok/s, None without a measured run."""
-        return statistics.median(self.decode_tok_s) if self.decode_tok_s else None
+        return median(self.decode_tok_s)
 
     def summary(self) -> dict:
         """The row as JSON values: the medians and every per-run figure, without the generated tokens."""
@@ -498,8 +415,8 @@ class Worker:
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", name,
                    "--model-path", str(model_path), "--prompt-tokens", str(args.prompt_tokens),
                    "--new-tokens", str(args.new_tokens)]
-        env = os.environ | {"TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                        env=os.environ | WORKER_ENV)
         ready = self.receive()
         if ready is not None:
             self.measured.load_s = ready["load_s"]
@@ -535,7 +452,7 @@ class Worker:
               f"TTFT {reply['ttft_s']:.3f} s", file=sys.stderr)
         if keep:
             m.ttft_s.append(reply["ttft_s"])
-            m.decode_tok_s.append((new_tokens - 1) / (reply["full_s"] - reply["ttft_s"]))
+            m.decode_tok_s.append(decode_tok_s(new_tokens, reply["full_s"], reply["ttft_s"]))
             m.tokens.append(reply["tokens"])
 
     def close(self) -> None:
@@ -564,16 +481,6 @@ def measure(args: argparse.Namespace, model_path: Path, scratch: Path) -> list[M
     return [worker.measured for worker in workers]
 
 
-def leading_agreement(tokens: list[int], reference: list[int]) -> int:
-    """How many leading tokens are identical."""
-    n = 0
-    for a, b in zip(tokens, reference):
-        if a != b:
-            break
-        n += 1
-    return n
-
-
 def compare_to_reference(results: list[Measured]) -> None:
     """Fill in each system's distance and agreement against the reference system, when it ran."""
     reference = next((m for m in results if m.name == REFERENCE and m.logits_path and m.tokens), None)
@@ -594,19 +501,6 @@ def compare_to_reference(results: list[Measured]) -> None:
 # Reporting.
 
 
-def plural(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-def fmt(value, pattern: str) -> str:
-    return "–" if value is None else pattern.format(value)
-
-
-def no_figures(error: str | None, default: str) -> str:
-    """The cell of a row without figures: "not installed: ..." as it is, anything else as a failure."""
-    return error if error and error.startswith("not installed") else f"failed: {error or default}"
-
-
 def table(results: list[Measured], new_tokens: int) -> str:
     """The markdown table: one row per system, failures included."""
     baseline = next((m for m in results if m.name == BASELINE and m.decode_tok_s), None)
@@ -618,8 +512,8 @@ def table(results: list[Measured], new_tokens: int) -> str:
             cells = [no_figures(m.error, "no measured run")] + ["–"] * 8
         else:
             ttft, decode = m.ttft, m.decode
-            ratio = decode / baseline.decode if baseline else None
-            cells = [fmt(ttft * 1e3, "{:,.0f} ms"), fmt(decode, "{:.1f} tok/s"), fmt(ratio, "{:.2f}×"),
+            cells = [fmt(ttft * 1e3, "{:,.0f} ms"), fmt(decode, "{:.1f} tok/s"),
+                     fmt(ratio(decode, baseline and baseline.decode), "{:.2f}×"),
                      fmt(m.roofline_share and 100 * m.roofline_share, "{:.0f}%"), fmt(m.load_s, "{:.2f} s"),
                      fmt(m.first_call_s, "{:.1f} s"), fmt(m.rss_gib, "{:.2f} GiB"),
                      fmt(m.distance, "{:.1e}"), fmt(m.agreement, f"{{}}/{new_tokens}")]
@@ -698,8 +592,8 @@ def roofline_line(results: list[Measured], bandwidth: float, sizes: tuple[int, i
 
 def jax_only_rss_gib() -> float:
     """The peak RSS of a fresh process that has only imported jax and run one op on the CPU."""
-    script = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import jax.numpy as jnp; from decode import peak_rss_gib; "
-              "jnp.zeros(1).block_until_ready(); print(peak_rss_gib())")
+    script = (f"import sys; sys.path.insert(0, {str(HERE)!r}); import jax.numpy as jnp; "
+              "from harness import peak_rss_gib; jnp.zeros(1).block_until_ready(); print(peak_rss_gib())")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     return float(out.split()[-1])
 
@@ -735,47 +629,6 @@ def notes(results: list[Measured], sizes: tuple[int, int], bandwidth: float) -> 
     return lines
 
 
-def machine() -> str:
-    """CPU model, core count and memory, from /proc."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor() or "unknown CPU")
-    mem_kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
-                   if line.startswith("MemTotal"))
-    return f"{cpu}, {os.cpu_count()} cores, {mem_kib / 2**20:.0f} GiB"
-
-
-def code_version() -> str:
-    """The repository's commit, and whether the working tree had changes."""
-    def git(*argv: str) -> str:
-        done = subprocess.run(["git", *argv], cwd=HERE, capture_output=True, text=True)
-        return done.stdout.strip() if done.returncode == 0 else ""
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + (" with uncommitted changes" if git("status", "--porcelain") else "")
-
-
-def versions(names: tuple[str, ...] = ("jax", "jaxlib", "torch", "transformers", "llama_cpp_python")) -> str:
-    """The installed versions of `names` ("not installed" for those absent) and Python's."""
-    def version(name: str) -> str:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-    return ", ".join(f"{n} {version(n)}" for n in names) + f", Python {platform.python_version()}"
-
-
-def write_json(path: Path, section: str, rows: list[dict], args: argparse.Namespace, command: str,
-               skip: tuple[str, ...] = ("json", "no_write", "worker"), **measured) -> None:
-    """A run's rows and how they were measured (where, when, the protocol's parameters, the command), as JSON:
-    what benchmarks/page.py renders. `skip`: the arguments that are not part of the protocol; `measured`: figures
-    of the run beside its rows (decode's read bandwidth)."""
-    protocol = {k: v for k, v in vars(args).items() if k not in skip}
-    payload = {"section": section, "command": command, "measured": datetime.datetime.now().isoformat("T", "minutes"),
-               "machine": machine(), "versions": versions(), "code_version": code_version(), "protocol": protocol,
-               **measured, "rows": rows}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=1, ensure_ascii=False, default=str) + "\n")
-
-
 def report(results: list[Measured], args: argparse.Namespace, command: str, bandwidth: float,
            sizes: tuple[int, int]) -> str:
     """The markdown section that goes between the markers: what, where, how, the table, how to read it."""
@@ -801,19 +654,6 @@ def report(results: list[Measured], args: argparse.Namespace, command: str, band
         "the prompt against transformers eager float32; agreement: leading greedy tokens equal to its "
         "tokens. Written by `benchmarks/decode.py`.",
     ])
-
-
-def write_results(section: str, path: Path = RESULTS, marks: tuple[str, str] = (MARK_START, MARK_END)) -> None:
-    """Replace the text between the markers (adding them at the end if absent), keeping the rest of the file."""
-    mark_start, mark_end = marks
-    block = f"{mark_start}\n{section}\n{mark_end}"
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    start, end = text.find(mark_start), text.find(mark_end)
-    if start >= 0 and end > start:
-        text = text[:start] + block + text[end + len(mark_end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
 
 
 # --------------------------------------------------------------------------------------------
@@ -847,7 +687,7 @@ def main(argv: list[str]) -> None:
         return
     from linnet_jax.load import default_model_path
 
-    command = " ".join(["python benchmarks/decode.py", *map(shlex.quote, argv)])
+    command = command_line("decode.py", argv)
     model_path = args.model_path or default_model_path()
     bandwidth = read_bandwidth()
     with tempfile.TemporaryDirectory(prefix="decode-bench-") as scratch:
@@ -862,7 +702,7 @@ def main(argv: list[str]) -> None:
         write_json(args.json, "decode", [m.summary() for m in results], args, command,
                    read_bandwidth_gb_s=bandwidth / 1e9, bytes_per_token=step_bytes(sizes))
     if not args.no_write:
-        write_results(section)
+        write_results(section, MARKS)
         print(f"\nwritten to {RESULTS}", file=sys.stderr)
 
 

@@ -9,10 +9,10 @@ Prints a markdown table (the numbers benchmarks/RESULTS.md keeps).
 """
 
 import argparse
-import time
 
 import jax
 import numpy as np
+from harness import timed
 
 import linnet_jax
 from linnet_jax.decode import decode, insert, prefill
@@ -34,16 +34,13 @@ def filled_state(model, batch: int, prompt: int, new: int, max_len: int):
 def measure(model, batch: int, prompt: int, new: int) -> dict:
     max_len, steps = bucket(prompt + new), new - 1
     slots = filled_state(model, batch, prompt, new, max_len)
-    start = time.perf_counter()
-    decode.lower(model.decode_params, model.config, slots, np.int32(steps), bucket(steps), plan=model.plan).compile()
-    compile_s = time.perf_counter() - start
-    jax.block_until_ready(decode(model.decode_params, model.config, slots, np.int32(steps), bucket(steps),
-                                 plan=model.plan))
+    run = lambda: decode(model.decode_params, model.config, slots, np.int32(steps), bucket(steps),  # noqa: E731
+                         plan=model.plan)
+    compile_s, _ = timed(decode.lower(model.decode_params, model.config, slots, np.int32(steps), bucket(steps),
+                                      plan=model.plan).compile)
+    jax.block_until_ready(run())
     slots = filled_state(model, batch, prompt, new, max_len)  # the warm-up consumed (donated) the first
-    start = time.perf_counter()
-    slots, emitted = decode(model.decode_params, model.config, slots, np.int32(steps), bucket(steps), plan=model.plan)
-    jax.block_until_ready(emitted)
-    wall = time.perf_counter() - start
+    wall, (slots, emitted) = timed(lambda: jax.block_until_ready(run()))
     assert (np.asarray(emitted.count) == steps).all()
     return {"batch": batch, "compile_s": compile_s, "step_ms": 1e3 * wall / steps, "tok_s": batch * steps / wall}
 

@@ -29,9 +29,9 @@ section), run in the order given, their rows printed as each ends:
   `model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`: the transformers
   docs' static-cache recipe (`--torch-compile-mode default` for no CUDA graphs; `--no-torch-compile`: eager).
 - stablehlo: `linnet_jax.export.stablehlo` (batch 1, max_len 640) written by a child process from the same
-  random weights, then in this one, without linnet_jax: the programs `jax.export.deserialize`d and called,
-  the weights read from the export's safetensors file, greedy tokens chosen on the device. Its greedy ids
-  are compared with batch1's (same seed, same weights: they should agree).
+  random weights, then in this one, without linnet_jax: the export's own load.py (`Export.greedy_ids`)
+  deserializes the programs, reads the weights from the export's safetensors file and chooses greedy tokens on
+  the device. Its greedy ids are compared with batch1's (same seed, same weights: they should agree).
 
 Timing (batch1, stablehlo, transformers): a first call (compilation included, reported), then `--warmups`
 pairs of calls, then `--runs` pairs, each pair a full call (128 new tokens) and a one-token call, each timed
@@ -54,22 +54,19 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import importlib.metadata
 import json
 import math
-import os
 import platform
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from harness import (decode_tok_s, import_path, leading_agreement, median, percentile, ratio, reply_once,
+                     run_worker, timed, versions)
 
 MISTRAL_7B_V03 = {
     "architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 32768, "hidden_size": 4096,
@@ -118,6 +115,7 @@ H200_OVER_H100 = 1.43
 SEED_H100_DECODE = {"linnet StableHLO": 174.0, "transformers compiled": 118.0}  # tok/s, seed/linnet-benchmark-page
 MIN_START_S = 20  # a section is not started with less of the budget left
 DRIVE_TIMEOUT_S = 600  # serving: the longest wait for any one request to finish
+VERSIONS = ("jax", "jaxlib", "torch", "transformers", "linnet_jax")  # the report's packages
 
 
 def prompt_ids(protocol: Protocol) -> list[int]:
@@ -132,15 +130,6 @@ def workload(protocol: Protocol) -> list[list[int]]:
     low, high = protocol.prompt_range
     lengths = rng.integers(low, high + 1, size=protocol.requests)
     return [rng.integers(100, protocol.hf_config["vocab_size"], size=int(n)).tolist() for n in lengths]
-
-
-def timed(fn: Callable, *args, sync: Callable[[], None] = lambda: None):
-    """(seconds, result) of fn(*args), the device synchronized before the clock starts and before it stops."""
-    sync()
-    start = time.perf_counter()
-    result = fn(*args)
-    sync()
-    return time.perf_counter() - start, result
 
 
 def measure_generate(generate: Callable[[int], list[int]], protocol: Protocol, sync: Callable[[], None],
@@ -162,9 +151,9 @@ def measure_generate(generate: Callable[[int], list[int]], protocol: Protocol, s
     for _ in range(protocol.runs):
         full_s.append(timed(generate, new, sync=sync)[0])
         ttft_s.append(timed(generate, 1, sync=sync)[0])
-    decode = [(new - 1) / (full - ttft) for full, ttft in zip(full_s, ttft_s) if full > ttft]
+    decode = [decode_tok_s(new, full, ttft) for full, ttft in zip(full_s, ttft_s) if full > ttft]
     notes = [] if compiles is None else [f"compilations during the timed runs: {compiles() - compiled}"]
-    return {"ttft_ms": 1e3 * statistics.median(ttft_s), "decode_tok_s": statistics.median(decode) if decode else None,
+    return {"ttft_ms": 1e3 * median(ttft_s), "decode_tok_s": median(decode),
             "first_call_s": first_call_s, "tokens": tokens, "notes": notes,
             "per_run": {"ttft_ms": [round(1e3 * t, 2) for t in ttft_s], "decode_tok_s": [round(d, 1) for d in decode]}}
 
@@ -288,7 +277,7 @@ def serving_stats(wall_s: float, done: list[tuple], new_tokens: int) -> dict:
                            f"tokens, stop reason {short[0].stop_reason!r}")
     ttft = [h.first_token_at - h.submitted for h, _ in done]
     tpot = [(at - h.first_token_at) / (new_tokens - 1) for h, at in done] if new_tokens > 1 else []
-    ms = lambda values, q: float(1e3 * np.percentile(values, q)) if values else None  # noqa: E731
+    ms = lambda values, q: 1e3 * percentile(values, q) if values else None  # noqa: E731
     return {"serve_tok_s": len(done) * new_tokens / wall_s, "serve_wall_s": wall_s,
             "serve_ttft_p50_ms": ms(ttft, 50), "serve_ttft_p99_ms": ms(ttft, 99),
             "serve_tpot_p50_ms": ms(tpot, 50), "serve_tpot_p99_ms": ms(tpot, 99)}
@@ -372,62 +361,18 @@ def export_stablehlo(args: argparse.Namespace, protocol: Protocol) -> dict:
     return {}
 
 
-@dataclasses.dataclass
-class Reloaded:
-    """An export's prefill programs deserialized and jitted (cache donated), its decode program inside an
-    on-device greedy loop (decode.py's `greedy_loop`), its weights on the device, its manifest."""
-
-    manifest: dict
-    weights: dict
-    prefill: dict  # bucket T -> program
-    decode_loop: Callable
-
-
-def load_stablehlo(directory: Path) -> Reloaded:
-    """The export in `directory` as README's loader reads it: jax, numpy and safetensors only."""
-    import jax
-    from safetensors.numpy import load_file
-
-    from decode import greedy_loop
-
-    manifest = json.loads((directory / "manifest.json").read_text())
-
-    def deserialized(files: dict):
-        return jax.export.deserialize((directory / files["serialized"]).read_bytes())
-
-    arrays = load_file(directory / manifest["weights"]["file"])
-    weights = {name: jax.device_put(array) for name, array in arrays.items()}
-    prefill = {int(t): jax.jit(deserialized(files).call, donate_argnums=3) for t, files in manifest["prefill"].items()}
-    return Reloaded(manifest, jax.block_until_ready(weights), prefill, greedy_loop(deserialized(manifest["decode"])))
-
-
-def stablehlo_generate(reloaded: Reloaded, ids: list[int], new_tokens: int) -> list[int]:
-    """Greedy ids after the prompt ids: the prompt's bucket's prefill program, then the decode program in one
-    loop on the device (no host round trip until the end)."""
-    import jax.numpy as jnp
-
-    manifest = reloaded.manifest
-    t = min(t for t in reloaded.prefill if t >= len(ids))
-    tokens, positions = np.zeros((1, t), np.int32), np.full((1, t), -1, np.int32)
-    tokens[0, t - len(ids):], positions[0, t - len(ids):] = ids, np.arange(len(ids))  # left-padded
-    cache = {name: jnp.full(c["shape"], c["fill"], c["dtype"]) for name, c in manifest["cache"].items()}
-    logits, cache = reloaded.prefill[t](reloaded.weights, tokens, positions, cache)
-    first = jnp.argmax(logits[0]).astype(jnp.int32)
-    if new_tokens == 1:
-        return [int(first)]
-    more = reloaded.decode_loop(reloaded.weights, first, np.int32(len(ids)), cache, new_tokens - 1)
-    return [int(first), *np.asarray(more).tolist()]
-
-
 def section_stablehlo(args: argparse.Namespace, protocol: Protocol) -> dict:
-    """export.stablehlo in a child process, then its programs reloaded and timed here (no linnet_jax)."""
+    """export.stablehlo in a child process, then its programs reloaded by the export's own load.py and timed here
+    (no linnet_jax): greedy ids with the decode steps in one loop on the device (`Export.greedy_ids`)."""
     with tempfile.TemporaryDirectory(prefix="linnet-gpu-stablehlo-") as scratch:
         directory = Path(scratch) / "export"
         command = [*worker_command("stablehlo_export", args), "--export-dir", str(directory)]
-        export_s, _ = timed(lambda: subprocess.run(command, check=True, stdout=sys.stderr))
-        load_s, reloaded = timed(load_stablehlo, directory)
+        export_s, reply = timed(run_worker, command)
+        if "error" in reply:
+            raise RuntimeError(f"the export failed: {reply['error']}")
+        load_s, exported = timed(import_path(directory / "load.py").Export, directory)
         ids = prompt_ids(protocol)
-        result = measure_generate(functools.partial(stablehlo_generate, reloaded, ids), protocol, sync=lambda: None,
+        result = measure_generate(functools.partial(exported.greedy_ids, ids), protocol, sync=lambda: None,
                                   compiles=compile_counter())
     notes = [f"export (its own process, weights made and written) {export_s:.1f} s; load (file to device) "
              f"{load_s:.1f} s"]
@@ -451,17 +396,9 @@ WORKERS = {name: section.run for name, section in SECTIONS.items()} | {"stablehl
 
 
 def worker_main(args: argparse.Namespace) -> int:
-    """Run one section (or the export) and write its result, or {"error"}, as JSON to args.result; the exit
+    """Run one section (or the export); its result, or {"error"}, goes to the parent as a JSON line. The exit
     status, 1 on an error."""
-    protocol = TINY if args.tiny else FULL
-    try:
-        result = WORKERS[args.worker](args, protocol)
-    except Exception as error:  # reported as the row's error; the traceback goes to stderr
-        traceback.print_exc()
-        result = {"error": f"{type(error).__name__}: {error}".strip()[:400]}
-    if args.result:
-        Path(args.result).write_text(json.dumps(result))
-    return 1 if "error" in result else 0
+    return reply_once(lambda: WORKERS[args.worker](args, TINY if args.tiny else FULL))
 
 
 # --------------------------------------------------------------------------------------------
@@ -477,25 +414,10 @@ def worker_command(name: str, args: argparse.Namespace) -> list[str]:
 
 def run_section(name: str, args: argparse.Namespace, limit_s: float) -> dict:
     """One section in its own process group (its output on stderr), killed after limit_s; its row."""
-    row = {"section": name, "system": SECTIONS[name].label(args)}
-    with tempfile.TemporaryDirectory(prefix=f"linnet-gpu-{name}-") as scratch:
-        result_path = Path(scratch) / "result.json"
-        command = worker_command(name, args) + ["--result", str(result_path)]
-        start = time.perf_counter()
-        process = subprocess.Popen(command, stdout=sys.stderr, start_new_session=True)
-        try:
-            process.wait(timeout=limit_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            return row | {"error": f"timed out after {limit_s:.0f} s", "section_s": time.perf_counter() - start}
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-        row["section_s"] = time.perf_counter() - start
-        if not result_path.exists():
-            return row | {"error": f"its process exited with status {process.returncode} and no result"}
-        return row | json.loads(result_path.read_text())
+    section_s, result = timed(run_worker, worker_command(name, args), limit_s)
+    if result.get("error"):
+        result["error"] = result["error"][:400]
+    return {"section": name, "system": SECTIONS[name].label(args), "section_s": section_s} | result
 
 
 def number(value, pattern: str, unit: str = "") -> str:
@@ -521,18 +443,14 @@ def find(rows: list[dict], section: str) -> dict | None:
     return next((row for row in rows if row["section"] == section and not row.get("error")), None)
 
 
-def ratio(numerator, denominator) -> float | None:
-    return numerator / denominator if numerator and denominator else None
-
-
 def agreement(rows: list[dict]) -> list[str]:
     """How many leading greedy ids the StableHLO row shares with batch1's (same weights, same prompt)."""
     native, exported = find(rows, "batch1"), find(rows, "stablehlo")
     if not (native and exported):
         return []
-    a, b = native["tokens"], exported["tokens"]
-    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return [f"StableHLO reloaded's greedy ids agree with generate's for the first {same} of {len(a)} tokens"]
+    same = leading_agreement(exported["tokens"], native["tokens"])
+    return [f"StableHLO reloaded's greedy ids agree with generate's for the first {same} of {len(native['tokens'])} "
+            "tokens"]
 
 
 def bars(rows: list[dict], tiny: bool) -> list[str]:
@@ -579,22 +497,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def versions() -> str:
-    found = []
-    for name in ("jax", "jaxlib", "torch", "transformers", "linnet_jax"):
-        try:
-            found.append(f"{name} {importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            found.append(f"{name} not installed")
-    return ", ".join(found) + f", Python {platform.python_version()}"
-
-
 def report(rows: list[dict], args: argparse.Namespace, protocol: Protocol, elapsed_s: float) -> str:
     """The whole report: what was run, where, the table, the bars and every row's notes."""
     devices = sorted({row["device"] for row in rows if row.get("device")})
     lines = [f"## GPU protocol: {protocol.name}", "",
              f"Measured {datetime.datetime.now():%Y-%m-%d %H:%M} on {', '.join(devices) or 'no device reported'}; "
-             f"{versions()}. Command: `{' '.join(sys.argv)}` ({elapsed_s:.0f} s).",
+             f"{versions(VERSIONS)}. Command: `{' '.join(sys.argv)}` ({elapsed_s:.0f} s).",
              f"Batch 1: {protocol.prompt_tokens} prompt ids + {protocol.new_tokens} new, greedy, median of "
              f"{protocol.runs} after {protocol.warmups} warm-ups (and a first call). Serving: "
              f"{protocol.requests} requests of {protocol.prompt_range[0]}-{protocol.prompt_range[1]} ids, "
@@ -625,7 +533,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--torch-compile-mode", default="reduce-overhead", help="torch.compile's mode")
     parser.add_argument("--out", type=Path, help="write gpu.json and gpu.md here (after every section)")
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--export-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = [name for name in args.sections.split(",") if name not in SECTIONS]

@@ -21,11 +21,9 @@ import dataclasses
 import datetime
 import json
 import math
-import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the benchmark scripts, imported for their registries
 
 import decode  # noqa: E402
+import harness  # noqa: E402
 import serve  # noqa: E402
 import train  # noqa: E402
 
@@ -157,7 +156,7 @@ def failed_section(section: Section, asked: list[str], command: str, tail: list[
     """The payload of a section whose script died before writing its JSON: every asked row failed with its last line."""
     error = tail[-1] if tail else "the script printed nothing"
     return {"section": section.name, "command": command, "measured": datetime.datetime.now().isoformat("T", "minutes"),
-            "machine": decode.machine(), "versions": decode.versions(), "code_version": decode.code_version(),
+            "machine": harness.machine(), "versions": harness.versions(), "code_version": harness.code_version(),
             "protocol": {}, "rows": [{"name": n, "label": section.rows[n], "error": error} for n in asked]}
 
 
@@ -168,18 +167,17 @@ def run_section(section: Section, args: argparse.Namespace, model: Path | None, 
     raw = results / f".{section.name}.partial.json"
     raw.unlink(missing_ok=True)
     arguments = [*section.arguments(args, model), section.pick, ",".join(asked)]
-    shown = " ".join(["python", f"benchmarks/{section.script}", *map(shlex.quote, arguments)])  # without --json
+    shown = harness.command_line(section.script, arguments)  # without --json
     print(f"[page] {section.name}: {shown}", file=sys.stderr)
-    start = time.perf_counter()
-    status, tail = stream([sys.executable, str(HERE / section.script), *arguments, "--json", str(raw)],
-                          f"[{section.name}]")
+    duration_s, (status, tail) = harness.timed(
+        stream, [sys.executable, str(HERE / section.script), *arguments, "--json", str(raw)], f"[{section.name}]")
     payload = json.loads(raw.read_text()) if status == 0 and raw.exists() else failed_section(
         section, asked, shown, tail)
     raw.unlink(missing_ok=True)
     skipped = QUICK_SKIP if args.quick else "not run"
     payload["rows"] += [{"name": n, "label": label, "error": skipped} for n, label in section.rows.items()
                         if n not in asked]
-    payload |= {"command": shown, "quick": args.quick, "duration_s": time.perf_counter() - start}
+    payload |= {"command": shown, "quick": args.quick, "duration_s": duration_s}
     path = results / f"{section.name}.json"
     path.write_text(json.dumps(payload, indent=1, ensure_ascii=False) + "\n")
     print(f"[page] {section.name}: {payload['duration_s']:.0f} s, saved {path}", file=sys.stderr)
@@ -271,7 +269,7 @@ def decode_entry(row: dict, protocol: dict) -> Entry:
         "load": row.get("load_s"), "memory": row.get("rss_gib")}))
     entry.distance = distance_text("decode", row["name"], row.get("distance"))
     if row.get("distance_rows"):
-        entry.notes.append(f"distance over the last {decode.plural(row['distance_rows'], 'prompt position')} only")
+        entry.notes.append(f"distance over the last {harness.plural(row['distance_rows'], 'prompt position')} only")
     if row.get("agreement") is not None:
         entry.notes.append(f"{row['agreement']}/{protocol.get('new_tokens', '?')} greedy tokens as the reference's")
     if row.get("first_call_s") is not None:

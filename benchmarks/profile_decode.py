@@ -20,13 +20,13 @@ import gzip
 import json
 import re
 import resource
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
+from harness import median, timed
 
 import linnet_jax
 from linnet_jax.decode import decode, insert, prefill
@@ -64,10 +64,7 @@ def run_decode(model, params, slots, steps):
 
 def decode_seconds(model, params, steps):
     """Wall time of one decode call of `steps` steps (the state is donated, so a fresh prefill each time)."""
-    slots = prefilled(model, params, steps)
-    start = time.perf_counter()
-    run_decode(model, params, slots, steps)
-    return time.perf_counter() - start
+    return timed(run_decode, model, params, prefilled(model, params, steps), steps)[0]
 
 
 def op_times(model, params, steps, top=12):
@@ -152,7 +149,7 @@ def main():
             times[name].append(decode_seconds(model, params, args.steps))
     print(f"decode loop, {args.steps} steps, median of {args.runs} (interleaved):")
     for name, seconds in times.items():
-        ms = statistics.median(seconds) / args.steps * 1e3
+        ms = median(seconds) / args.steps * 1e3
         print(f"  {name:45s} {ms:6.1f} ms/step  {1e3 / ms:5.1f} tok/s")
     if args.profile:
         for name, params in runs.items():

@@ -45,20 +45,18 @@ import os
 import shlex
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from decode import (RESULTS, TORCH_INSTALL, TORCH_THREADS, code_version, fmt, machine, missing_modules, no_figures,
-                    peak_rss_gib, protocol_channel, timed, write_json, write_results)
+from harness import (RESULTS, TORCH_INSTALL, TORCH_THREADS, RssSampler, code_version, command_line, fmt, machine,
+                     missing_modules, no_figures, peak_rss_gib, percentile, ratio, reply_once, run_worker, timed,
+                     write_json, write_results)
 
-HERE = Path(__file__).resolve().parent
 MARKS = ("<!-- serve-table:start -->", "<!-- serve-table:end -->")
 BASELINE = "linnet_jax_served"
 VLLM_VERSION = "0.32.0"
@@ -108,11 +106,6 @@ class Row:
                             for name in ("ttft", "tpot") for q in (50, 99)}}
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (linear interpolation, as numpy's default), or None without values."""
-    return float(np.percentile(values, q)) if values else None
-
-
 # --------------------------------------------------------------------------------------------
 # Servers: started as a process tree, watched for memory, driven by the client below.
 
@@ -121,40 +114,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def tree_rss_bytes(root: int) -> int:
-    """Resident memory of a process and all its descendants, from /proc (0 for a process already gone)."""
-    total, stack = 0, [root]
-    while stack:
-        pid = stack.pop()
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-            total += next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS"))
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                stack += [int(child) for child in (task / "children").read_text().split()]
-        except (OSError, StopIteration):
-            continue
-    return total
-
-
-class RssSampler(threading.Thread):
-    """The peak of tree_rss_bytes(pid), sampled every `period` seconds until stopped."""
-
-    def __init__(self, pid: int, period: float = 0.2):
-        super().__init__(daemon=True)
-        self.pid, self.period, self.peak = pid, period, 0
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopped.wait(self.period):
-            self.peak = max(self.peak, tree_rss_bytes(self.pid))
-
-    def stop(self) -> float:
-        """Stop sampling; the peak in GiB."""
-        self.stopped.set()
-        self.join()
-        return self.peak / 2**30
 
 
 class Server:
@@ -456,34 +415,25 @@ OFFLINE = {"generate_sequential": "linnet_jax `generate()`, sequential",
 OFFLINE_REQUIRES = {"transformers_batched": (("torch", "transformers"), TORCH_INSTALL)}  # name -> (modules, install)
 
 
-def worker_main(args: argparse.Namespace) -> None:
-    """Run one worker and send its JSON reply (or {"error"}) on the protocol channel."""
-    channel = protocol_channel()
-    try:
-        reply = WORKERS[args.worker](args, workload(args.requests, lengths=args.prompt_lengths))
-    except Exception as error:
-        reply = {"error": f"{type(error).__name__}: {error}".strip()}
-    print(json.dumps(reply), file=channel)
+def worker_main(args: argparse.Namespace) -> int:
+    """Run one worker; its JSON reply (or {"error"}) goes on the protocol channel."""
+    return reply_once(lambda: WORKERS[args.worker](args, workload(args.requests, lengths=args.prompt_lengths)))
 
 
-def run_worker(name: str, args: argparse.Namespace, hf_dir: Path) -> dict:
+def run_offline_worker(name: str, args: argparse.Namespace, hf_dir: Path) -> dict:
     """This file as `--worker name` in a fresh process; its reply, or {"error"} if it died."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--hf-dir", str(hf_dir),
-               "--requests", str(args.requests), "--new-tokens", str(args.new_tokens), "--concurrency",
-               str(args.concurrency), "--max-len", str(args.max_len),
-               "--prompt-lengths", "-".join(map(str, args.prompt_lengths)),
-               *(["--model-path", str(args.model_path)] if args.model_path else [])]
-    env = os.environ | {"TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
-    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=env)
-    lines = done.stdout.strip().splitlines()
-    return json.loads(lines[-1]) if lines else {"error": f"worker exited with status {done.returncode}"}
+    return run_worker([sys.executable, str(Path(__file__).resolve()), "--worker", name, "--hf-dir", str(hf_dir),
+                       "--requests", str(args.requests), "--new-tokens", str(args.new_tokens), "--concurrency",
+                       str(args.concurrency), "--max-len", str(args.max_len),
+                       "--prompt-lengths", "-".join(map(str, args.prompt_lengths)),
+                       *(["--model-path", str(args.model_path)] if args.model_path else [])])
 
 
 def measure_offline(name: str, args: argparse.Namespace, hf_dir: Path) -> Row:
     """An offline row in its worker process; a row saying so when its packages are not installed."""
     if (why := missing_modules(*OFFLINE_REQUIRES.get(name, ((), "")))) is not None:
         return Row(name, OFFLINE[name], error=why)
-    reply = run_worker(name, args, hf_dir)
+    reply = run_offline_worker(name, args, hf_dir)
     return Row(name, OFFLINE[name], error=reply.get("error"), load_s=reply.get("load_s"),
                duration_s=reply.get("duration_s"), tokens=reply.get("tokens", 0), rss_gib=reply.get("rss_gib"),
                notes=reply.get("notes", []))
@@ -538,7 +488,7 @@ def table(rows: list[Row]) -> str:
         if r.tok_s is None:
             cells = [no_figures(r.error, "no tokens")] + ["–"] * 8
         else:
-            cells = [fmt(r.tok_s, "{:.1f}"), fmt(base and base / r.tok_s, "{:.2f}×"),
+            cells = [fmt(r.tok_s, "{:.1f}"), fmt(ratio(base, r.tok_s), "{:.2f}×"),
                      ms(percentile(r.ttft_s, 50)), ms(percentile(r.ttft_s, 99)), ms(percentile(r.tpot_s, 50)),
                      ms(percentile(r.tpot_s, 99)), fmt(r.load_s, "{:.1f} s"), fmt(r.rss_gib, "{:.2f} GiB"),
                      r.check or "–"]
@@ -628,7 +578,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def measure(args: argparse.Namespace, scratch: Path) -> list[Row]:
     """Prepare the export and the reference ids, then each system alone, in the order given."""
     hf_dir, prompts = scratch / "hf", workload(args.requests, lengths=args.prompt_lengths)
-    reference = run_worker("prepare", args, hf_dir)
+    reference = run_offline_worker("prepare", args, hf_dir)
     if "error" in reference:
         raise SystemExit(f"preparing linnet_jax's HF export failed: {reference['error']}")
     rows = []
@@ -651,7 +601,7 @@ def main(argv: list[str]) -> None:
         return print(add_vllm_dist_info(args.vllm_dist_info))
     if args.install_vllm and not (args.vllm_venv / "bin" / "vllm").exists():
         install_vllm(args.vllm_venv)
-    command = " ".join(["python benchmarks/serve.py", *map(shlex.quote, argv)])
+    command = command_line("serve.py", argv)
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as scratch:
         rows = measure(args, Path(scratch))
     section = report(rows, args, command)

@@ -16,19 +16,15 @@ line.
 """
 
 import argparse
-import json
-import re
-import shlex
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from decode import TORCH_INSTALL, missing_modules, peak_rss_gib, pretrained_source, write_json
+from decode import pretrained_source
+from harness import (TORCH_INSTALL, command_line, median, missing_modules, peak_rss_gib, ratio, reply_once,
+                     run_worker, timed, write_json, write_results)
 
 ROWS = ("linnet_jax full", "transformers full", "linnet_jax LoRA r=8", "transformers LoRA r=8")
-RESULTS = Path(__file__).with_name("RESULTS.md")
+MARKS = ("<!-- train-table:start -->", "<!-- train-table:end -->")
 LR = 1e-5
 PEFT_INSTALL = "pip install peft==0.21.2"
 
@@ -53,14 +49,12 @@ def linnet_jax_steps(lora: bool, args) -> tuple[list[float], float]:
     state = train.init_state(model, optimizer, lora=config)
     step = train.make_train_step(optimizer, lora=config)
     data = train.shard_batch(batch(model.config.vocab_size, args.batch, args.seq_len), None)
-    times, first = [], None
-    for _ in range(args.warmups + args.steps):
-        start = time.perf_counter()
+
+    def one_step(state):
         state, metrics = step(state, data)
-        loss = float(jax.block_until_ready(metrics["loss"]))
-        times.append(time.perf_counter() - start)
-        first = loss if first is None else first
-    return times[args.warmups:], first
+        return state, float(jax.block_until_ready(metrics["loss"]))
+
+    return timed_steps(one_step, state, args)
 
 
 def transformers_steps(lora: bool, args) -> tuple[list[float], float]:
@@ -83,24 +77,34 @@ def transformers_steps(lora: bool, args) -> tuple[list[float], float]:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
     data = batch(model.config.vocab_size, args.batch, args.seq_len)
     tokens = torch.tensor(data["tokens"], dtype=torch.long)
-    times, first = [], None
-    for _ in range(args.warmups + args.steps):
-        start = time.perf_counter()
+
+    def one_step(state):  # None: torch's model and optimizer keep their own state
         logits = model(tokens).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-        first = loss.item() if first is None else first
-    return times[args.warmups:], first
+        return state, loss.item()
+
+    return timed_steps(one_step, None, args)
+
+
+def timed_steps(one_step, state, args) -> tuple[list[float], float]:
+    """(the step seconds after the warm-ups, the first step's loss) of `args.warmups + args.steps` calls of
+    one_step(state) -> (state, loss)."""
+    times, losses = [], []
+    for _ in range(args.warmups + args.steps):
+        seconds, (state, loss) = timed(one_step, state)
+        times.append(seconds)
+        losses.append(loss)
+    return times[args.warmups:], losses[0]
 
 
 def child(row: str, args) -> dict:
     lora = "LoRA" in row
     run = linnet_jax_steps if row.startswith("linnet_jax") else transformers_steps
     times, first = run(lora, args)
-    step = statistics.median(times)
+    step = median(times)
     return {"row": row, "step_s": step, "tokens_per_s": args.batch * args.seq_len / step, "first_loss": first,
             "peak_rss_mib": peak_rss_gib() * 1024}
 
@@ -115,15 +119,10 @@ def missing(row: str) -> str | None:
 
 
 def run_row(row: str) -> dict:
-    """One row in its own process: its result, or {"row", "error"} (not installed, or the failure's last line)."""
+    """One row in its own process: its result, or {"row", "error"} (not installed, or the failure)."""
     if (why := missing(row)) is not None:
         return {"row": row, "error": why}
-    done = subprocess.run([sys.executable, __file__, "--child", row, *sys.argv[1:]], capture_output=True, text=True)
-    if done.returncode:
-        print(f"{row} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
-        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-        return {"row": row, "error": last}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return {"row": row} | run_worker([sys.executable, str(Path(__file__).resolve()), "--child", row, *sys.argv[1:]])
 
 
 def compare(results: list[dict]) -> list[dict]:
@@ -134,7 +133,7 @@ def compare(results: list[dict]) -> list[dict]:
     compared = []
     for r in results:
         ref = None if "error" in r else reference.get(r["row"].split(" ", 1)[1])
-        compared.append(r | {"vs_transformers": ref and r["tokens_per_s"] / ref["tokens_per_s"],
+        compared.append(r | {"vs_transformers": ref and ratio(r["tokens_per_s"], ref["tokens_per_s"]),
                              "loss_distance": ref and abs(r["first_loss"] - ref["first_loss"])})
     return compared
 
@@ -155,14 +154,6 @@ def table(results: list[dict], args) -> str:
     return "\n".join(lines)
 
 
-def write(text: str) -> None:
-    block = f"<!-- train-table:start -->\n{text}\n<!-- train-table:end -->"
-    old = RESULTS.read_text() if RESULTS.exists() else ""
-    pattern = re.compile(r"<!-- train-table:start -->.*?<!-- train-table:end -->", re.S)
-    new = pattern.sub(lambda _: block, old) if pattern.search(old) else old.rstrip() + "\n\n## Fine-tuning\n\n" + block + "\n"
-    RESULTS.write_text(new)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
@@ -177,8 +168,7 @@ def main() -> None:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args)))
-        return
+        sys.exit(reply_once(lambda: child(args.child, args)))
     results = []
     for row in args.rows.split(","):
         results.append(run_row(row))
@@ -186,10 +176,10 @@ def main() -> None:
     text = table(results, args)
     print(text)
     if args.json:
-        command = " ".join(["python benchmarks/train.py", *map(shlex.quote, sys.argv[1:])])
+        command = command_line("train.py", sys.argv[1:])
         write_json(args.json, "train", compare(results), args, command, skip=("json", "no_write", "child"))
     if not args.no_write:
-        write(text)
+        write_results(text, MARKS, heading="## Fine-tuning\n\n")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The exports that stay in XLA, verified by running them in a fresh process that cannot import linnet_jax
-(nor flax): export.stablehlo through the README's loader, export.jax_source's generated model.py. Greedy ids
-must equal linnet_jax.generate, logits linnet_jax.logits; each reports its distance from transformers."""
+(nor flax): export.stablehlo through the load.py every export carries, export.jax_source's generated model.py.
+Greedy ids must equal linnet_jax.generate, logits linnet_jax.logits; each reports its distance from transformers."""
 
 import ast
 import importlib.util
@@ -12,11 +12,9 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import record_parity, reference_logits
-from safetensors.numpy import load_file
 
 import linnet_jax
 from linnet_jax import cli, export
@@ -31,10 +29,23 @@ TINY_NEW = 12
 SMOLLM2_NEW = 16
 
 
-def readme_loader() -> str:
-    """The README's standalone StableHLO loader: the python block that calls jax.export.deserialize."""
-    blocks = re.findall(r"```python\n(.*?)```", ROOT.joinpath("README.md").read_text(), re.S)
-    return next(block for block in blocks if "jax.export.deserialize" in block)
+LOADER = ROOT / "linnet_jax" / "export" / "stablehlo_loader.py"
+
+
+def imported_modules(source: str) -> set[str]:
+    """The top-level modules a Python source imports."""
+    tree = ast.parse(source)
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    return imported | {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+
+
+def exported_loader(out: Path):
+    """The export's own load.py, imported from its path (in this process)."""
+    spec = importlib.util.spec_from_file_location("exported_stablehlo_load", out / "load.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def eight_devices() -> dict[str, str]:
@@ -58,9 +69,18 @@ def run_standalone(script: str, directory: Path, env: dict[str, str] | None = No
 
 def stablehlo_run(out: Path, ids: list[int], new: int,
                   env: dict[str, str] | None = None) -> tuple[list[int], np.ndarray]:
-    return run_standalone(readme_loader() + f"""
-new, logits = greedy({str(out)!r}, {ids}, {new})
-Path("ids.json").write_text(json.dumps(new))
+    """The export's load.py, imported from the export's directory where linnet_jax cannot be: greedy's ids and
+    logits, and greedy_ids (the on-device loop) must give the same ids."""
+    return run_standalone(f"""
+import json
+import numpy as np
+sys.path.insert(0, {str(out)!r})
+import load
+
+exported = load.Export({str(out)!r})
+new, logits = exported.greedy({ids}, {new})
+assert exported.greedy_ids({ids}, {new}) == new, (exported.greedy_ids({ids}, {new}), new)
+open("ids.json", "w").write(json.dumps(new))
 np.save("logits.npy", logits)
 """, out, env)
 
@@ -116,6 +136,8 @@ def test_stablehlo_tiny_runs_standalone(tiny_dir, tmp_path):
         assert "custom_call" not in text  # never linnet's CPU kernels (ops.matvec): the loader has no linnet_jax
         assert (out / f"{name}.bin").stat().st_size < 100_000  # the weights (500 KB) are not inside
     assert (out / "weights.safetensors").stat().st_size > 500_000
+    assert (out / "load.py").read_text() == LOADER.read_text()  # every export carries the one loader
+    assert imported_modules(LOADER.read_text()) <= STANDALONE_IMPORTS | {"json"}
 
     new_ids, logits = stablehlo_run(out, TINY_PROMPT, TINY_NEW)
     assert check_run(model, TINY_PROMPT, new_ids, logits, TINY_NEW) < 1e-5
@@ -127,18 +149,13 @@ def test_stablehlo_batch_of_two_different_prompts(tiny_dir, tmp_path):
     """A batch-2 export: rows of different lengths left-padded in one prefill, then a decode step."""
     model = linnet_jax.load(tiny_dir("mistral_sliding")[1], progress=False)  # a 16-slot sliding window
     out = export.stablehlo(model, tmp_path / "hlo", batch=2, max_len=64, progress=False)
-    weights = jax.device_put(load_file(out / "weights.safetensors"))
-    prefill = jax.export.deserialize((out / "prefill_T32.bin").read_bytes())
-    decode = jax.export.deserialize((out / "decode.bin").read_bytes())
+    exported = exported_loader(out).Export(out)
     prompts = [TINY_PROMPT, TINY_PROMPT[:7]]
-    tokens, positions = np.zeros((2, 32), np.int32), np.full((2, 32), -1, np.int32)
-    for row, prompt in enumerate(prompts):
-        tokens[row, 32 - len(prompt):], positions[row, 32 - len(prompt):] = prompt, np.arange(len(prompt))
-    cache = {name: jnp.full(c["shape"], c["fill"], c["dtype"])
-             for name, c in json.loads((out / "manifest.json").read_text())["cache"].items()}
-    logits, cache = prefill.call(weights, tokens, positions, cache)
+    rows = [exported_loader(out).left_padded(prompt, 32, 1) for prompt in prompts]
+    tokens, positions = (np.concatenate(arrays) for arrays in zip(*rows))
+    logits, cache = exported.prefill[32](exported.weights, tokens, positions, exported.empty_cache())
     step = np.asarray([5, 9], np.int32)
-    decoded, _ = decode.call(weights, step, np.asarray([len(p) for p in prompts], np.int32), cache)
+    decoded, _ = exported.decode(exported.weights, step, np.asarray([len(p) for p in prompts], np.int32), cache)
     for row, prompt in enumerate(prompts):
         full = np.asarray(linnet_jax.logits(model, [prompt + [int(step[row])]]))[0]
         assert np.abs(np.asarray(logits[row]) - full[-2]).max() < 1e-5
@@ -147,7 +164,7 @@ def test_stablehlo_batch_of_two_different_prompts(tiny_dir, tmp_path):
 
 def test_stablehlo_sharded_export_reloads_on_a_mesh(shardable_dir, tmp_path):
     """Loaded on mesh(data=2, tensor=4) in an 8-device child and exported; the artifacts carry their shardings
-    and, in another 8-device child that cannot import linnet_jax, the README's loader rebuilds the mesh from
+    and, in another 8-device child that cannot import linnet_jax, the export's load.py rebuilds the mesh from
     the manifest and gives the greedy ids of generate on the sharded and on the unsharded model."""
     out = tmp_path / "hlo"
     run_python(f"""
@@ -202,12 +219,9 @@ def test_jax_source_tiny_runs_standalone(tiny_dir, tmp_path):
     source = (out / "model.py").read_text()
     assert len(source.encode()) < 100_000  # code, no weight constants (the weights are 500 KB)
     compile(source, "model.py", "exec")
-    tree = ast.parse(source)
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported = imported_modules(source)
     assert imported <= STANDALONE_IMPORTS, imported
-    assert ast.get_docstring(tree).startswith(repr(model))
+    assert ast.get_docstring(ast.parse(source)).startswith(repr(model))
 
     new_ids, logits = jax_source_run(out, TINY_PROMPT, TINY_NEW)
     assert check_run(model, TINY_PROMPT, new_ids, logits, TINY_NEW) < 1e-5

@@ -29,10 +29,16 @@ def tiny_run(tmp_path_factory):
 
 @pytest.mark.parametrize("section", ["batch1", "stablehlo", "transformers"])
 def test_batch1_rows_have_ttft_and_decode(tiny_run, section):
+    """The row's fields, not a speed: a 2-layer model's decode is a difference of two short wall times, which a
+    loaded machine can make non-positive (that pair is then left out, and with every pair out, decode is None)."""
     _, rows, _ = tiny_run
     row = rows[section]
-    assert positive(row, "ttft_ms") and positive(row, "decode_tok_s") and positive(row, "first_call_s"), row
-    assert len(row["tokens"]) == 32 and len(row["per_run"]["ttft_ms"]) == 3
+    assert positive(row, "ttft_ms") and positive(row, "first_call_s"), row
+    decode = row["per_run"]["decode_tok_s"]
+    assert len(decode) <= 3 and all(isinstance(d, float) and math.isfinite(d) and d > 0 for d in decode), row
+    assert positive(row, "decode_tok_s") if decode else row["decode_tok_s"] is None, row
+    assert len(row["tokens"]) == 32 and all(isinstance(t, int) for t in row["tokens"])
+    assert len(row["per_run"]["ttft_ms"]) == 3
 
 
 def test_serving_row_has_throughput_and_ttft_percentiles(tiny_run):

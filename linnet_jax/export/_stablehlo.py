@@ -21,10 +21,14 @@ axis names and sizes) and each argument's PartitionSpec as a JSON list (`"spec"`
 and cache field; `"specs"` of each program's tokens, positions and logits), so that a loader can
 rebuild a mesh of the same shape with `jax.make_mesh` and place each array with
 `NamedSharding(mesh, PartitionSpec(*spec))`.
+
+Every export carries that loader as `load.py`: a verbatim copy of `stablehlo_loader.py`, which imports no
+linnet_jax.
 """
 
 import dataclasses
 import functools
+import shutil
 from pathlib import Path
 
 import jax
@@ -43,8 +47,9 @@ from linnet_jax.sharding import Layout, host
 
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
+LOADER = "load.py"  # every export's copy of stablehlo_loader.py
 # What an export writes, and so what an overwrite replaces (stale programs of other buckets included).
-OUTPUTS = ("prefill_T*.bin", "prefill_T*.mlir", "decode.bin", "decode.mlir", WEIGHTS, MANIFEST, *MODEL_FILES)
+OUTPUTS = ("prefill_T*.bin", "prefill_T*.mlir", "decode.bin", "decode.mlir", WEIGHTS, MANIFEST, LOADER, *MODEL_FILES)
 
 
 def stablehlo(model, out_dir, *, batch: int = 1, max_len: int = 1024, platforms=None, overwrite: bool = False,
@@ -52,7 +57,8 @@ def stablehlo(model, out_dir, *, batch: int = 1, max_len: int = 1024, platforms=
     """Export `model` as jax.export artifacts in the directory out_dir; returns its path.
 
     Writes prefill_T{T}.bin / .mlir for every prompt bucket T (powers of two from 16 below max_len),
-    decode.bin / .mlir, weights.safetensors, manifest.json, and the config and tokenizer files.
+    decode.bin / .mlir, weights.safetensors, manifest.json, the config and tokenizer files, and load.py (the
+    standalone loader, `stablehlo_loader.py`).
     batch, max_len: the rows and cache slots the programs are compiled for.
     platforms: jax.export platforms, e.g. ("cpu", "cuda"); None: the default backend.
     overwrite: an existing non-empty out_dir is a FileExistsError unless True (then only OUTPUTS are replaced;
@@ -98,6 +104,7 @@ def write_programs(model, target: Path, buckets: list[int], batch: int, max_len:
         (target / f"{name}.bin").write_bytes(exported.serialize())
         (target / f"{name}.mlir").write_text(exported.mlir_module())
     write_model_files(target, config, model.tokenizer)
+    shutil.copyfile(Path(__file__).with_name("stablehlo_loader.py"), target / LOADER)
     contents = manifest(model, weights, cache, buckets, exported.platforms)
     if placed is not None:
         add_sharding(contents, layout, placed, specs)
