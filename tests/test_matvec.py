@@ -45,6 +45,23 @@ def test_the_kernels_are_built_and_registered():
     assert matvec.available(), "ops/_cpu_kernels*.so is missing: `pip install -e .` builds it (needs g++)"
 
 
+def test_kernels_built_against_a_newer_jaxlib_are_left_unregistered(monkeypatch):
+    """An XLA older than the handlers' FFI API stops its whole CPU backend: such kernels give XLA's products and
+    one warning, and never reach jax.ffi.register_ffi_target."""
+    registered = []
+    monkeypatch.setattr(matvec, "built_against", lambda library: "99.0.0")
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", lambda *args, **kwargs: registered.append(args))
+    with pytest.warns(UserWarning, match="built against jaxlib 99.0.0") as warned:
+        assert not matvec.available.__wrapped__()  # the check itself, past the cache of this process's answer
+    assert len(warned) == 1 and registered == []
+
+
+def test_kernels_run_on_their_own_jaxlib_and_newer_ones():
+    assert matvec.runs_on("0.10.2", "0.10.2") and matvec.runs_on("0.10.2", "0.12.0.1")
+    assert matvec.runs_on("0.10.2", "0.11.0.dev20260101")
+    assert not matvec.runs_on("0.11.0", "0.10.2") and not matvec.runs_on(None, "0.12.0.1")
+
+
 @pytest.mark.parametrize("spec,x_shape,w_shape", KERNEL_CASES)
 def test_a_kernel_product_equals_einsum(spec, x_shape, w_shape):
     rng = np.random.default_rng(0)
