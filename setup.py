@@ -5,6 +5,7 @@ XLA's own products (`linnet_jax.ops.matvec.available()` says which).
 """
 
 import platform
+from importlib.metadata import version
 
 import jax
 from setuptools import Extension, setup
@@ -16,6 +17,8 @@ setup(ext_modules=[Extension(
     "linnet_jax.ops._cpu_kernels",
     sources=["ops/cpu_kernels.cc"],
     include_dirs=[jax.ffi.include_dir()],
+    # the headers' jaxlib (pyproject.toml's build requirements: the oldest supported), which ops/matvec.py checks
+    define_macros=[("LINNET_JAXLIB_VERSION", f'"{version("jaxlib")}"')],
     extra_compile_args=["-std=c++17", "-O3", *VECTOR_FLAGS],
     language="c++",
     optional=True,

@@ -32,7 +32,6 @@ import warnings
 from collections.abc import Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec

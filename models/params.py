@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 
 import flax.struct
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from linnet_jax.models.config import Config

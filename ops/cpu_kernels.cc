@@ -125,3 +125,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinnetXw, Xw,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LinnetWx, Wx,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Vector>().Arg<Matrix>().Ret<Vector>());
+
+// The jaxlib whose XLA FFI headers these handlers were compiled against (setup.py defines it): ops/matvec.py
+// registers them only on that jaxlib or a newer one, as an older XLA refuses a newer handler API.
+extern "C" const char* LinnetJaxlibVersion() { return LINNET_JAXLIB_VERSION; }

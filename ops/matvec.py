@@ -12,6 +12,9 @@ import ctypes
 import functools
 import math
 import platform
+import re
+import warnings
+from importlib.metadata import version
 from pathlib import Path
 
 import jax
@@ -36,10 +39,39 @@ def library_path() -> Path | None:
     return next(iter(sorted(Path(__file__).parent.glob("_cpu_kernels*.so"))), None)
 
 
+def release(text: str) -> tuple[int, ...]:
+    """A version's release numbers: "0.12.0.1" -> (0, 12, 0, 1); "0.11.0.dev20260101" -> (0, 11, 0)."""
+    return tuple(int(part) for part in re.match(r"\d+(?:\.\d+)*", text).group().split("."))
+
+
+def built_against(library: ctypes.CDLL) -> str | None:
+    """The jaxlib whose XLA FFI headers setup.py compiled the kernels against (None: a build from before it said)."""
+    if not hasattr(library, "LinnetJaxlibVersion"):
+        return None
+    library.LinnetJaxlibVersion.restype = ctypes.c_char_p
+    return library.LinnetJaxlibVersion().decode()
+
+
+def runs_on(built: str | None, running: str) -> bool:
+    """Whether kernels built against jaxlib `built` run on jaxlib `running`: XLA takes handlers of its FFI API
+    or an older one, and one newer than its own stops its whole CPU backend at start-up."""
+    return built is not None and release(built) <= release(running)
+
+
 @functools.cache
 def available() -> bool:
-    """Whether the kernels are built and this CPU can run them (registers nothing)."""
-    return library_path() is not None and cpu_has_vector_units()
+    """Whether the kernels are built (against this jaxlib or an older one) and this CPU can run them; registers
+    nothing (`register`). Kernels built against a newer jaxlib are refused, with one warning."""
+    path = library_path()
+    if path is None or not cpu_has_vector_units():
+        return False
+    built, running = built_against(ctypes.cdll.LoadLibrary(str(path))), version("jaxlib")
+    if not runs_on(built, running):
+        warnings.warn(f"linnet_jax's CPU kernels were built against jaxlib {built or '(unrecorded)'}, which the running "
+                      f"jaxlib {running} cannot take; using XLA's products. `pip install -e .` rebuilds them.",
+                      stacklevel=2)
+        return False
+    return True
 
 
 @functools.cache

@@ -1,39 +1,54 @@
 """Shared fixtures: random-weight tiny transformers models saved as HF directories, SmolLM2, and a
 parity report printed at the end of the run."""
 
+from __future__ import annotations
+
 import os
 
 import numpy as np
 import pytest
-import torch
-import transformers
+
+try:  # Python 3.11's suite; Python >= 3.12 has no torch here and runs `pytest -m "not torch"` (.ci/run)
+    import torch
+    import transformers
+except ImportError:
+    torch = transformers = None
+else:
+    torch.set_num_threads(2)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(2)
 
 PARITY: dict[str, float] = {}
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             max_position_embeddings=4096, initializer_range=0.1)
 
-# name -> (transformers config class, fields beyond TINY)
+# name -> (transformers config class's name, fields beyond TINY)
 TINY_CONFIGS = {
-    "llama_mha": (transformers.LlamaConfig, dict(num_key_value_heads=4)),
-    "llama_gqa_llama3": (transformers.LlamaConfig, dict(
+    "llama_mha": ("LlamaConfig", dict(num_key_value_heads=4)),
+    "llama_gqa_llama3": ("LlamaConfig", dict(
         num_key_value_heads=2, rope_theta=500000.0,
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=256))),
-    "llama_linear_untied": (transformers.LlamaConfig, dict(
+    "llama_linear_untied": ("LlamaConfig", dict(
         num_key_value_heads=2, tie_word_embeddings=False, rope_scaling=dict(rope_type="linear", factor=4.0))),
-    "llama_attention_bias": (transformers.LlamaConfig, dict(num_key_value_heads=1, attention_bias=True)),
-    "mistral_sliding": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=16)),
-    "qwen2_bias_tied": (transformers.Qwen2Config, dict(num_key_value_heads=2, tie_word_embeddings=True)),
-    "qwen3_qk_norm": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=32)),
+    "llama_attention_bias": ("LlamaConfig", dict(num_key_value_heads=1, attention_bias=True)),
+    "mistral_sliding": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=16)),
+    "qwen2_bias_tied": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3_qk_norm": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=32)),
 }
+# The fixtures that build a model with transformers: every test using one is marked `torch`.
+REFERENCE_FIXTURES = {"tiny_dir", "shardable_dir", "smollm2_reference", "smollm2_reference_tokenizer", "tiny_chat"}
 
 
 def record_parity(case: str, diff: float) -> None:
     PARITY[case] = max(diff, PARITY.get(case, 0.0))
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if REFERENCE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.torch)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -57,7 +72,7 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 def build_tiny(name: str, seed: int = 0) -> transformers.PreTrainedModel:
     config_class, fields = TINY_CONFIGS[name]
-    config = config_class(**TINY | fields)
+    config = getattr(transformers, config_class)(**TINY | fields)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)

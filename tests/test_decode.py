@@ -4,7 +4,6 @@ import dataclasses
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_generate import agreed_steps, reference_greedy

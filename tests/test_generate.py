@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 import linnet_jax
 from linnet_jax import generate
@@ -16,6 +15,8 @@ NEAR_TIE = 1e-3
 
 def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos=None) -> tuple[list[int], list[float]]:
     """transformers' greedy ids and, per step, the gap between its two best logits."""
+    import torch
+
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,

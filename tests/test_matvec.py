@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import linnet_jax
-from linnet_jax.backend import decode_params
+from linnet_jax.backend import decode_params, plan_for_platform
 from linnet_jax.ops import matvec
 
 from test_unrolled import prefill_then_decode
@@ -43,6 +43,24 @@ def jitted(spec: str):
 
 def test_the_kernels_are_built():
     assert matvec.available(), "ops/_cpu_kernels*.so is missing: `pip install -e .` builds it (needs g++)"
+
+
+def test_kernels_built_against_a_newer_jaxlib_are_left_unregistered(monkeypatch):
+    """An XLA older than the handlers' FFI API stops its whole CPU backend: such kernels are refused with one
+    warning, and the plan then takes XLA's products (nothing ever reaches jax.ffi.register_ffi_target)."""
+    monkeypatch.setattr(matvec, "built_against", lambda library: "99.0.0")
+    with pytest.warns(UserWarning, match="built against jaxlib 99.0.0") as warned:
+        refused = matvec.available.__wrapped__()  # the check itself, past the cache of this process's answer
+    assert not refused and len(warned) == 1
+    monkeypatch.setattr(matvec, "available", lambda: refused)
+    plan = plan_for_platform("cpu")
+    assert not plan.matvec_kernels and plan.einsum is jnp.einsum
+
+
+def test_kernels_run_on_their_own_jaxlib_and_newer_ones():
+    assert matvec.runs_on("0.10.2", "0.10.2") and matvec.runs_on("0.10.2", "0.12.0.1")
+    assert matvec.runs_on("0.10.2", "0.11.0.dev20260101")
+    assert not matvec.runs_on("0.11.0", "0.10.2") and not matvec.runs_on(None, "0.12.0.1")
 
 
 @pytest.mark.parametrize("spec,x_shape,w_shape", KERNEL_CASES)

@@ -5,7 +5,6 @@ import dataclasses
 import errno
 import importlib
 import io
-import json
 import re
 import subprocess
 import sys

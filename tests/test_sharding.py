@@ -1,7 +1,7 @@
 """Sharding: the presets on 8 fake CPU devices (in subprocesses, tests/sharding_worker.py), rules errors here.
 
 Each case must give the one-device greedy ids (up to a near tie) and logits within 1e-5 (tiny) or
-1e-4 (SmolLM2), with each weight split over the devices its rules name, asserted from the bytes
+3e-4 (SmolLM2, SMOLLM2_BOUND), with each weight split over the devices its rules name, asserted from the bytes
 one device really holds. The one-device logits are taken both for the whole batch and row by row:
 SmolLM2's batch of 8 and its rows alone differ by ~1.5e-4 on one device already (float32 sums in
 another order), and a mesh that gives each device one row computes the row-by-row numbers.
@@ -21,6 +21,11 @@ from conftest import record_parity
 
 WORKER = Path(__file__).with_name("sharding_worker.py")
 NEAR_TIE = 1e-4
+# A float32 sum of n terms taken in another order (a split over devices, XLA's own choices between jaxlib
+# releases) moves by ~sqrt(n)·eps·|terms|: SmolLM2's products sum n = 576 (the head, attention) to 1536 (the
+# MLP) terms, with logits of magnitude ~20, so sqrt(576..1536) · 1.2e-7 · 20 ≈ 6e-5..9e-5 for one product, before
+# 30 layers pass their own rounding on. Measured: 1.05e-4 on jaxlib 0.12.0.1 and 1.22e-4 on 0.11.2; 3e-4 leaves 2.5x the worst.
+SMOLLM2_BOUND = 3e-4
 TENSOR_AXES = {"heads", "kv_heads", "mlp", "vocab"}
 
 # case -> (devices holding each weight split by the rules: ("all" weights | "tensor" ones), count)
@@ -75,7 +80,7 @@ def test_tiny_sharded_matches_one_device(tiny_results, case):
 
 @pytest.mark.parametrize("case", list(SMOLLM2_SPLITS))
 def test_smollm2_sharded_matches_one_device(smollm2_results, case):
-    check_case(smollm2_results, case, 1e-4, SMOLLM2_SPLITS[case], "SmolLM2")
+    check_case(smollm2_results, case, SMOLLM2_BOUND, SMOLLM2_SPLITS[case], "SmolLM2")
 
 
 def test_meshes_of_every_case_have_the_asked_shape(tiny_results):
@@ -88,7 +93,7 @@ def test_non_dividing_heads_are_replicated_with_one_warning_each(smollm2_results
     """SmolLM2's 9 query heads and 3 kv heads over tensor=2: those weights stay whole, one warning per array."""
     result = smollm2_results["cases"]["tp=2 (9 heads, 3 kv heads)"]
     assert result["equal"] or result["near_tie_gap"] < NEAR_TIE
-    assert min(result["logit_diff"], result["logit_diff_row_by_row"]) < 1e-4
+    assert min(result["logit_diff"], result["logit_diff_row_by_row"]) < SMOLLM2_BOUND
     for name in ("layers.wq", "layers.wk", "layers.wv", "layers.wo"):
         assert result["params"][name]["device"] == result["params"][name]["total"], name
         mentions = [w for w in result["warnings"] if w.startswith(f"{name}:")]

@@ -209,7 +209,10 @@ def test_accumulation_equals_a_larger_batch(tiny_dir, lora):
         results.append((jax.tree.map(np.asarray, state.trained), {k: float(v) for k, v in metrics.items()}))
     (one, m1), (four, m4) = results
     assert m1["tokens"] == m4["tokens"] == float((batch["loss_mask"][:, 1:] * batch["segment_ids"][:, 1:]).sum())
-    assert m4["loss"] == pytest.approx(m1["loss"], rel=1e-6) and m4["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
+    # The gradients are float32 sums over the batch's 256 positions and, back through the model, over the 96-wide
+    # MLP: accumulating four micro-batches adds them in another order, which moves the norm by ~sqrt(n)·eps with
+    # n = 256 · 96, sqrt(24576) · 1.2e-7 ≈ 1.9e-5 (measured: 1.9e-5 on jaxlib 0.12); 1e-4 leaves 5x that.
+    assert m4["loss"] == pytest.approx(m1["loss"], rel=1e-6) and m4["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(four)):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
 

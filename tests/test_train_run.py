@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import transformers
 from conftest import TINY, randomize
 
 import linnet_jax
@@ -37,6 +36,8 @@ def write_jsonl(path, records: list[dict]):
 @pytest.fixture(scope="module")
 def tiny_chat(tmp_path_factory, smollm2):
     """A random tiny llama over SmolLM2's vocabulary, with SmolLM2's tokenizer and chat template."""
+    import transformers
+
     config = transformers.LlamaConfig(**TINY | dict(vocab_size=smollm2.config.vocab_size, num_key_value_heads=2))
     directory = tmp_path_factory.mktemp("tiny_chat")
     randomize(transformers.AutoModelForCausalLM.from_config(config), seed=5).save_pretrained(directory)
