@@ -10,6 +10,7 @@ The hardware plan chooses it (`linnet_jax.backend.Plan.einsum`, on one XLA:CPU d
 
 import ctypes
 import functools
+import importlib.machinery
 import math
 import platform
 import re
@@ -35,8 +36,9 @@ def cpu_has_vector_units() -> bool:
 
 
 def library_path() -> Path | None:
-    """The kernels' shared library, where setup.py built it."""
-    return next(iter(sorted(Path(__file__).parent.glob("_cpu_kernels*.so"))), None)
+    """The kernels' shared library, where setup.py built it for this Python (None: not built)."""
+    paths = (Path(__file__).with_name(f"_cpu_kernels{suffix}") for suffix in importlib.machinery.EXTENSION_SUFFIXES)
+    return next((path for path in paths if path.exists()), None)
 
 
 def release(text: str) -> tuple[int, ...]:

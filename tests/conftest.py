@@ -3,10 +3,21 @@ parity report printed at the end of the run."""
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
+
+# One persistent JAX compilation cache for the whole run: this process, pytest-xdist's workers and every child
+# (notebooks, the CLI, sharding and distributed workers, standalone exports, benchmark scripts) inherit it, so a
+# program one of them compiled is not compiled again by another. Made by the first process; removed at its exit.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="linnet-tests-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 
 try:  # Python 3.11's suite; Python >= 3.12 has no torch here and runs `pytest -m "not torch"` (.ci/run)
     import torch
@@ -49,6 +60,18 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if REFERENCE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.torch)
+
+
+def pytest_sessionfinish(session):
+    """An xdist worker hands its parity rows to the controller, which prints the table."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["parity"] = json.dumps(PARITY)
+
+
+def pytest_testnodedown(node, error):
+    """(pytest-xdist, on the controller) a worker's parity rows joined to the run's."""
+    for case, diff in json.loads(getattr(node, "workeroutput", {}).get("parity", "{}")).items():
+        record_parity(case, diff)
 
 
 def pytest_terminal_summary(terminalreporter):
