@@ -209,12 +209,12 @@ def test_accumulation_equals_a_larger_batch(tiny_dir, lora):
         results.append((jax.tree.map(np.asarray, state.trained), {k: float(v) for k, v in metrics.items()}))
     (one, m1), (four, m4) = results
     assert m1["tokens"] == m4["tokens"] == float((batch["loss_mask"][:, 1:] * batch["segment_ids"][:, 1:]).sum())
-    # The gradients are float32 sums over the batch's 256 positions and, back through the model, over the 96-wide
-    # MLP: accumulating four micro-batches adds them in another order, which moves the norm by ~sqrt(n)·eps with
-    # n = 256 · 96, sqrt(24576) · 1.2e-7 ≈ 1.9e-5 (measured: 1.9e-5 on jaxlib 0.12); 1e-4 leaves 5x that.
-    assert m4["loss"] == pytest.approx(m1["loss"], rel=1e-6) and m4["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)
+    assert m4["loss"] == pytest.approx(m1["loss"], rel=1e-6) and m4["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(four)):
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+        # Adam's first step moves a weight by lr·g/(|g| + 1e-8): where g is within a few 1e-8 of zero, the float32
+        # sums of g in another order (the micro-batches) move it by ~1e-3 of lr = 1e-3, i.e. ~1e-6. Measured on
+        # jaxlib 0.12.0.1: 1.23e-6 (one w_gate entry of 0.065) and 6.8e-7 (one w_down entry); atol 3e-6 leaves 2.4x.
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=3e-6)
 
 
 @pytest.fixture(scope="module", autouse=True)
