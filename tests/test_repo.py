@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_ci_runs_exactly_the_readme_test_command():
     command = ROOT.joinpath(".ci/run").read_text().strip().splitlines()[-1]
     readme = ROOT.joinpath("README.md").read_text()
-    assert command.startswith("pip install -e \".[test]\"") and command.endswith("python -m pytest -q")
+    assert command.startswith("pip install -e \".[test]\"") and command.endswith("python -m pytest -q -n 2 --dist loadfile")
     assert f"```bash\n{command}\n```" in readme
 
 
