@@ -12,8 +12,8 @@ import types
 from linnet_jax._version import __version__
 
 # Public name -> the submodule that defines it.
-NAMES = {"DEFAULT_MODEL": "load", "Generation": "generate", "Model": "model", "enable_compilation_cache": "compilation",
-         "generate": "generate", "load": "load", "logits": "model", "lowered": "lowering", "save": "checkpoint", "shard": "sharding"}
+NAMES = {"DEFAULT_MODEL": "load", "Generation": "generate", "Model": "loaded", "enable_compilation_cache": "compilation",
+         "generate": "generate", "load": "load", "logits": "loaded", "lowered": "lowering", "save": "checkpoint", "shard": "sharding"}
 
 __all__ = ["__version__", *NAMES, "export"]
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from linnet_jax.files import (MODEL_FILES, finite, prepare_target, read_config, read_json, staged, write_json,
                               write_model_files)
-from linnet_jax.model import Model
+from linnet_jax.loaded import Model
 from linnet_jax.models import Config, param_shapes
 from linnet_jax.models.params import flatten_params, param_axes, unflatten_params
 from linnet_jax.sharding import host, placement

@@ -16,7 +16,7 @@ import numpy as np
 from linnet_jax.decode import FREE, LENGTH, RUNNING, STOP_ID, TRACES, decode
 from linnet_jax.inputs import (RequestError, SamplingOptions, admit, bucket, check_max_new_tokens, eos_ids,
                                make_prompts, new_slots, sampling_options)
-from linnet_jax.model import Model
+from linnet_jax.loaded import Model
 from linnet_jax.models.config import Config
 from linnet_jax.sharding import host
 from linnet_jax.text import Cursor, Detokenizer, Generation, take

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from linnet_jax.decode import Request, Slots, empty_slots, insert, prefill
-from linnet_jax.model import Model, as_token_batch
+from linnet_jax.loaded import Model, as_token_batch
 from linnet_jax.ops import SamplingParams
 
 MIN_BUCKET = 16

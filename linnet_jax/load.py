@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from linnet_jax.checkpoint import is_checkpoint, load_checkpoint
 from linnet_jax.files import INDEX_FILE, finite, read_config, read_json
-from linnet_jax.model import Model
+from linnet_jax.loaded import Model
 from linnet_jax.models import Config, params_from_hf
 from linnet_jax.models.config import DTYPES
 from linnet_jax.models.params import Params, declared, hf_tensor_names

@@ -16,7 +16,7 @@ import optax
 from linnet_jax.backend import decode_params, plan_for_platform
 from linnet_jax.decode import decode, empty_slots, free, insert, prefill
 from linnet_jax.inputs import MIN_BUCKET, STOP_ID_SLOTS, buckets, make_requests, make_sampling
-from linnet_jax.model import Model
+from linnet_jax.loaded import Model
 from linnet_jax.train.step import init_state, make_train_step
 
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")

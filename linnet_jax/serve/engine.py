@@ -25,7 +25,7 @@ import numpy as np
 from linnet_jax.decode import TOP_LOGPROBS, TRACES, decode, free
 from linnet_jax.inputs import (MIN_BUCKET, RequestError, admit, bucket, buckets, check_max_new_tokens, eos_ids,
                                make_prompts, new_slots, sampling_options)
-from linnet_jax.model import Model
+from linnet_jax.loaded import Model
 from linnet_jax.sharding import host
 from linnet_jax.text import Cursor, Detokenizer, Generation, take
 

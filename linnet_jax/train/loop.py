@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from linnet_jax.model import Model
+from linnet_jax.loaded import Model
 from linnet_jax.models.lora import LoraConfig
 from linnet_jax.train.checkpoints import Checkpoints
 from linnet_jax.train.data import Batches, load_documents
