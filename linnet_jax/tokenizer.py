@@ -33,6 +33,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 __all__ = ["Tokenizer"]
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+TOKENIZER_CLASS = "PreTrainedTokenizerFast"  # the transformers class that reads a saved Tokenizer back
 _SURROGATE = re.compile("[\ud800-\udfff]")
 # GGUF token types (llama.cpp's llama_token_type).
 _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
@@ -322,7 +323,7 @@ class Tokenizer:
         out.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(out / "tokenizer.json"))
         special = {name: getattr(self, name) for name in _SPECIAL_NAMES if getattr(self, name) is not None}
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "clean_up_tokenization_spaces": False}
+        config = {"tokenizer_class": TOKENIZER_CLASS, **special, "clean_up_tokenization_spaces": False}
         for flag in ("add_bos_token", "add_eos_token"):
             if getattr(self, flag) is not None:
                 config[flag] = getattr(self, flag)

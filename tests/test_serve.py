@@ -239,6 +239,30 @@ def test_tokenize_detokenize_models_health(tiny_chat, tiny_server):
     assert httpx.get(f"{tiny_server}/health").json() == {"status": "ok"}
 
 
+def test_tokenizer_info_is_the_served_tokenizer(tiny_chat, tiny_server):
+    info = httpx.get(f"{tiny_server}/tokenizer_info").json()
+    tokenizer = tiny_chat.tokenizer
+    assert info == {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
+                    "eos_token": tokenizer.eos_token, "chat_template": tokenizer.chat_template, "model_max_length": 256}
+    assert info["eos_token"] is not None and info["chat_template"], "SmolLM2's tokenizer has both"
+
+
+def test_max_tokens_beyond_the_slot_is_clamped_to_the_room(tiny_chat, tiny_engine, tiny_server):
+    """As vLLM: a prompt that fits is served, its budget clamped to the room its slot has left ("length")."""
+    prompt = tiny_chat.tokenizer.encode(" ".join(WORDS * 12), add_special_tokens=True)
+    room = tiny_engine.max_len - len(prompt)
+    assert 0 < room < 100
+    expected = generate(tiny_chat, tokens=[prompt], max_new_tokens=room, ignore_eos=True, return_details=True)[0]
+    answer = client(tiny_server).completions.create(model=MODEL, prompt=prompt, max_tokens=10**6, temperature=0,
+                                                    extra_body={"ignore_eos": True})
+    assert answer.choices[0].finish_reason == "length"
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(prompt), room)
+    assert answer.choices[0].text == expected.text
+    for max_tokens in (10**6, None):  # the engine clamps, and its default is the same room
+        served = tiny_engine.submit(tokens=prompt, max_tokens=max_tokens, ignore_eos=True).result(timeout=120)
+        assert (served.tokens, served.stop_reason) == (expected.tokens, "length")
+
+
 # --- errors ---------------------------------------------------------------------------------------------------
 
 BAD_REQUESTS = [  # (path, body, status, param)
@@ -246,7 +270,6 @@ BAD_REQUESTS = [  # (path, body, status, param)
     ("/v1/completions", [1, 2], 400, None),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**12}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "stream": 1}, 400, "stream"),
     ("/v1/completions", {"prompt": " ".join(WORDS * 40)}, 400, "prompt"),
@@ -428,6 +451,7 @@ def test_api_key_is_needed_everywhere_but_health(tiny_engine):
             assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code == 401
         assert httpx.get(f"{url}/metrics").status_code == 401
+        assert httpx.get(f"{url}/tokenizer_info").status_code == 401
         with pytest.raises(openai.AuthenticationError):
             client(url, "wrong").models.list()
         assert [m.id for m in client(url, "s3cret").models.list()] == [MODEL]

@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP server on an `Engine`: `create_app(engine, model_name=...)` is a FastAPI app.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sent events or whole), GET
-/v1/models, GET /health, GET /metrics (Prometheus text), POST /tokenize and /detokenize. The app knows the
-engine's Python API only (`submit`, handles, `stats`, `on_finish`, `compiles_after_warmup`).
+/v1/models, GET /health, GET /metrics (Prometheus text), POST /tokenize and /detokenize, GET /tokenizer_info.
+The app knows the engine's Python API only (`submit`, handles, `stats`, `on_finish`, `compiles_after_warmup`).
 
 Errors (`linnet_jax.serve.errors`) are OpenAI's JSON, `{"error": {"message", "type", "param", "code"}}`: 400
 naming the field for a body that is not JSON, a wrong type, a bad value, a field this server does not implement,
-a prompt that cannot fit; 401 without the API key; 404 for an unknown model; 429 with Retry-After when the engine's queue is full; 503
+a prompt that leaves no room for a token (a larger max_tokens is clamped to the room, finishing with "length");
+401 without the API key; 404 for an unknown model; 429 with Retry-After when the engine's queue is full; 503
 while shutting down. A client that disconnects has its requests cancelled: their slots are free before the
 engine's next decode dispatch. The Prometheus metrics are `linnet_jax.serve.metrics`.
 """
@@ -33,6 +34,7 @@ from linnet_jax.serve.metrics import Metrics
 from linnet_jax.serve.protocol import (ChatCompletions, ChatRequest, CompletionRequest, Completions, DetokenizeRequest,
                                        Output, Sampling, Shape, TokenizeRequest, engine_options, finish_reason,
                                        message_dicts, refused_field, usage)
+from linnet_jax.tokenizer import TOKENIZER_CLASS
 
 log = logging.getLogger("linnet_jax.serve")
 RETRY_AFTER_S = 1
@@ -246,6 +248,12 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
         except BAD_INPUT as error:
             raise request_error(error, field) from error
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_len}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        served = needs_tokenizer()
+        return {"tokenizer_class": TOKENIZER_CLASS, "bos_token": served.bos_token, "eos_token": served.eos_token,
+                "chat_template": served.chat_template, "model_max_length": engine.max_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

@@ -209,7 +209,8 @@ class Engine:
                stop_token_ids=None, ignore_eos: bool = False, chat: bool | None = None, top_logprobs: int = 0) -> Handle:
         """Queue one request: a prompt (text or a conversation) or `tokens` (ids). Returns its Handle.
 
-        max_tokens: default, what the slot has room for (max_len minus the prompt). seed: None draws one
+        max_tokens: at most what the slot has room for (max_len minus the prompt), which is the default; a larger
+        budget is clamped to it, finishing with "length" as vLLM does. seed: None draws one
         at random for a sampled request; choice i draws stream i of the seed (OpenAI's n), as row i of
         `generate(..., seed=seed)` does. top_logprobs: report that many most likely tokens (≤ TOP_LOGPROBS) beside
         each. A RequestError (a ValueError) names the field that is wrong; QueueFull when the queue is full.
@@ -222,10 +223,7 @@ class Engine:
             raise RequestError("prompt", f"the prompt has {len(ids)} tokens; the engine's slots hold "
                                          f"max_len={self.max_len} positions, prompt and new tokens together")
         room = self.max_len - len(ids)
-        max_tokens = room if max_tokens is None else check_max_new_tokens(max_tokens, "max_tokens")
-        if max_tokens > room:
-            raise RequestError("max_tokens", f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
-                                             f"the engine's max_len of {self.max_len} positions")
+        max_tokens = room if max_tokens is None else min(check_max_new_tokens(max_tokens, "max_tokens"), room)
         if isinstance(choice, bool) or not isinstance(choice, (int, np.integer)) or choice < 0:
             raise RequestError("choice", f"choice must be an int ≥ 0, got {choice!r}")
         if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, (int, np.integer)) \
