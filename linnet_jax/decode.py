@@ -1,23 +1,27 @@
 """The decode core: per-slot primitives that `generate` and the serving engine share.
 
-JetStream's engine contract as pure functions, each jitted once per shape:
+Pure functions over a decode state of B rows (`Slots`), each jitted once per shape:
 
-    prefill(params, config, tokens [1, T], positions [1, T], request, max_len) -> Slots (one row, T slots)
-        one request's left-padded prompt through its own cache, its first token chosen
-    insert(prefix, slots, slot) -> Slots
-        that row into row `slot` of a many-slot decode state (B rows of max_len slots)
+    extend(params, config, slots, rows [R], tokens [R, C], start [R], count [R], request, last [R]) -> Slots
+        a chunk of a prompt for each of R rows: row r's count[r] tokens at positions start[r]..,
+        written into its cache; where it ends its prompt (last), the row's first token is chosen
     decode(params, config, slots, steps, out_len) -> (Slots, Emitted)
-        up to `steps` single-token steps over every busy slot, stopping early when none is left
+        up to `steps` single-token steps over every running row, stopping early when none is left
+    verify(params, config, slots, drafts [B, K], n_drafts [B]) -> (Slots, Emitted)
+        one forward over each running row's last token and its drafts; the row keeps the longest run
+        of drafts that equal what it would have chosen, and one token more
     free(slots, slot) -> Slots
         the slot emptied
+
+All three rest on one step: several tokens of a row, each at its own position (`forward` writes a
+token at the cache slot of its position), so a prompt's chunk, a decode step and a speculative
+verification are the same forward with different widths.
 
 Everything a request owns lives in its row: its sampling parameters and random key, stop ids,
 max_new_tokens, sequence length, tokens generated and finish state. Token n of a request is drawn
 with its key folded with n, so its tokens depend on its own seed and steps only, never on its
-neighbours or when it joined. The cache is a ring with one cursor for every row
-(`models.decoder`): a step writes every layer once whatever the number of rows, an idle or
-finished row's slots are never written (its new token has position -1), and a row that has filled
-its max_len slots finishes with LENGTH: nothing is ever overwritten or clamped.
+neighbours, on how its prompt was chunked or on how many drafts were verified at once. A row that
+fills its max_len slots finishes with LENGTH: nothing is ever overwritten or clamped.
 """
 
 import functools
@@ -32,7 +36,7 @@ from linnet_jax.ops import SamplingParams, penalize_repeats, sample
 
 FREE, RUNNING, STOP_ID, LENGTH = -1, 0, 1, 2  # a row's finish state
 TOP_LOGPROBS = 20  # the most likely tokens reported beside each chosen one (OpenAI's top_logprobs limit)
-TRACES = {"prefill": 0, "insert": 0, "decode": 0, "free": 0}  # incremented when a program is traced
+TRACES = {"extend": 0, "decode": 0, "verify": 0, "free": 0}  # incremented when a program is traced
 
 
 @flax.struct.dataclass
@@ -86,9 +90,10 @@ def empty_slots(config: Config, batch: int, max_len: int, stop_id_slots: int, dt
                  top_logprobs=jnp.zeros((batch, TOP_LOGPROBS), jnp.float32))
 
 
-def choose(slots: Slots, logits: jax.Array, max_len: int, top: bool) -> Slots:
+def choose(slots: Slots, logits: jax.Array, max_len: int, top: bool, active: jax.Array | None = None) -> Slots:
     """Each running row's next token from its logits [B, V], drawn with its key folded with its count.
-    top: also record the TOP_LOGPROBS most likely tokens and their logprobs."""
+    top: also record the TOP_LOGPROBS most likely tokens and their logprobs; active: [B] bool, the rows that
+    choose (None: every running row)."""
     request = slots.request
     chosen = sample(penalize_repeats(logits, slots.seen, request.sampling.repetition_penalty), request.sampling,
                     slots.count)
@@ -97,7 +102,7 @@ def choose(slots: Slots, logits: jax.Array, max_len: int, top: bool) -> Slots:
     if top:
         top_logprobs, top_ids = jax.lax.top_k(logprobs, TOP_LOGPROBS)
         slots = slots.replace(top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
-    running = slots.finish == RUNNING
+    running = slots.finish == RUNNING if active is None else (slots.finish == RUNNING) & active
     count, length = slots.count + running, slots.length + running
     finish = jnp.where(running & jnp.any(chosen[:, None] == request.stop_ids, axis=1), STOP_ID, slots.finish)
     finish = jnp.where((finish == RUNNING) & ((count >= request.max_new) | (length >= max_len)), LENGTH, finish)
@@ -112,62 +117,42 @@ def choose(slots: Slots, logits: jax.Array, max_len: int, top: bool) -> Slots:
     )
 
 
-@functools.partial(jax.jit, static_argnums=(1, 5, 6, 7))
-def prefill(params: Params, config: Config, tokens: jax.Array, positions: jax.Array, request: Request,
-            max_len: int, constrain=None, plan=None) -> Slots:
-    """One request's prompt, left-padded to a bucket T (tokens, positions [1, T]; position -1 at padding),
-    through a cache of its own T slots; its first token chosen (with its top logprobs). max_len: the slots of the state it will
-    join (a prompt that fills them finishes at once with LENGTH). constrain: forward's sharding constraints;
-    plan: the hardware plan (`linnet_jax.backend.Plan`) the params were made for (`Model.plan`)."""
-    TRACES["prefill"] += 1
-    length = tokens.shape[1]
-    cache = init_cache(config, 1, length, params.embed.dtype)
-    logits, cache = forward(params, config, tokens, positions, cache, logits_at=jnp.full((1,), length - 1),
+def row_cache(cache: KVCache, rows: jax.Array, heads: int) -> jax.Array:
+    """The cache rows [R * G] of state rows [R] (row b * G + g); a row past the state (padding) maps past it."""
+    return (rows[:, None] * heads + jnp.arange(heads)).reshape(-1)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 9, 10), donate_argnums=(2,))
+def extend(params: Params, config: Config, slots: Slots, rows: jax.Array, tokens: jax.Array, start: jax.Array,
+           count: jax.Array, request: Request, last: jax.Array, constrain=None, plan=None) -> Slots:
+    """A chunk of a prompt for each of R rows of the state, in one forward.
+
+    rows: [R] int32, the state rows (a row ≥ B is padding: it reads zeros and writes nothing); tokens: [R, C],
+    row r's first count[r] entries its prompt's tokens at positions start[r] ..; request: the rows' requests
+    ([R]); last: [R] bool, the chunk ends the row's prompt: its first token is chosen (with its top logprobs)
+    and it runs, else it waits (FREE) for its next chunk. A chunk starting at 0 begins a new prompt; a later one
+    continues the row's cache. constrain: forward's sharding constraints; plan: the hardware plan
+    (`linnet_jax.backend.Plan`) the params were made for (`Model.plan`)."""
+    TRACES["extend"] += 1
+    max_len, heads = slots.cache.max_len, config.num_kv_heads
+    cache_rows = row_cache(slots.cache, rows, heads)
+    take = lambda array, index: jnp.take(array, index, axis=0, mode="fill", fill_value=0)  # noqa: E731
+    cache = jax.tree.map(lambda layer: take(layer, cache_rows), slots.cache)
+    columns = jnp.arange(tokens.shape[1])
+    valid = columns < count[:, None]
+    positions = jnp.where(valid, start[:, None] + columns, -1)
+    logits, cache = forward(params, config, tokens, positions, cache, logits_at=jnp.maximum(count - 1, 0),
                             constrain=constrain, plan=plan)
-    seen = jnp.zeros((1, config.vocab_size), bool).at[0, tokens[0]].max(positions[0] >= 0)
-    prompt = jnp.sum(positions >= 0, axis=1).astype(jnp.int32)
-    zero = jnp.zeros((1,), jnp.int32)
-    slots = Slots(cache=cache, request=request, token=zero, logprob=jnp.zeros((1,)), length=prompt, count=zero,
-                  finish=zero + RUNNING, seen=seen, top_ids=jnp.zeros((1, TOP_LOGPROBS), jnp.int32),
-                  top_logprobs=jnp.zeros((1, TOP_LOGPROBS)))
-    return choose(slots, logits[:, 0], max_len, top=True)
-
-
-def ring_row(prefix: jax.Array, slots: int, shift: jax.Array, axis: int, fill) -> jax.Array:
-    """A prefix's T entries along `axis` as a row of `slots` entries, entry i at slot (shift + i) mod slots.
-
-    Entries beyond the row's capacity (T > slots) are the leading padding of a left-padded prompt: dropped."""
-    length = prefix.shape[axis]
-    if length > slots:
-        prefix = jax.lax.slice_in_dim(prefix, length - slots, length, axis=axis)
-    pad = [(0, 0)] * prefix.ndim
-    pad[axis] = (0, slots - prefix.shape[axis])
-    return jnp.roll(jnp.pad(prefix, pad, constant_values=fill), shift, axis=axis)
-
-
-@functools.partial(jax.jit, donate_argnums=(1,))
-def insert(prefix: Slots, slots: Slots, slot: jax.Array) -> Slots:
-    """Row 0 of `prefix` (prefill's result) into row `slot` of `slots`, its cache entries ending just before
-    the shared cursor. Every other row is left as it was."""
-    TRACES["insert"] += 1
-    cache, max_len = slots.cache, slots.cache.max_len
-    heads = cache.k[0].shape[0] // cache.positions.shape[0]
-    shift = (cache.cursor - prefix.cache.max_len) % max_len
-
-    def put_rows(layer: jax.Array, new: jax.Array, axis: int) -> jax.Array:  # new: [G, ...] rows of one layer
-        return jax.lax.dynamic_update_slice(layer, ring_row(new, max_len, shift, axis, 0).astype(layer.dtype),
-                                            (slot * heads, 0, 0))
-
-    cache = cache.replace(
-        k=tuple(put_rows(layer, new, 1) for layer, new in zip(cache.k, prefix.cache.k)),
-        v=tuple(put_rows(layer, new, 2) for layer, new in zip(cache.v, prefix.cache.v)),
-        positions=jax.lax.dynamic_update_slice(
-            cache.positions, ring_row(prefix.cache.positions, max_len, shift, 1, -1), (slot, 0)),
-    )
-    rows = jax.tree.map(lambda whole, row: jax.lax.dynamic_update_index_in_dim(whole, row[0], slot, 0),
-                        slots.replace(cache=None), prefix.replace(cache=None))
-    finish = jnp.where((rows.finish == RUNNING) & (rows.length >= max_len), LENGTH, rows.finish)
-    return rows.replace(cache=cache, finish=finish)
+    part = jax.tree.map(lambda column: take(column, rows), slots.replace(cache=None))
+    seen = jnp.where((start == 0)[:, None], False, part.seen)
+    seen = seen.at[jnp.arange(rows.shape[0])[:, None], tokens].max(valid)
+    part = part.replace(request=request, seen=seen, length=start + count, count=jnp.zeros_like(count),
+                        finish=jnp.where(last, RUNNING, FREE).astype(jnp.int32))
+    part = choose(part, logits[:, 0], max_len, top=True)
+    state = jax.tree.map(lambda whole, new: whole.at[rows].set(new, mode="drop"), slots.replace(cache=None),
+                         part.replace(cache=None))
+    return state.replace(cache=jax.tree.map(lambda whole, new: whole.at[cache_rows].set(new, mode="drop"),
+                                            slots.cache, cache))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 4, 5, 6, 7), donate_argnums=(2,))
@@ -177,7 +162,7 @@ def decode(params: Params, config: Config, slots: Slots, steps: jax.Array, out_l
 
     Each step feeds every running row its last token at position length - 1; other rows feed position
     -1, which writes nothing and is masked. Returns the state and what each row emitted (with each
-    token's TOP_LOGPROBS most likely alternatives when `top`). plan: as `prefill`'s."""
+    token's TOP_LOGPROBS most likely alternatives when `top`). plan: as `extend`'s."""
     TRACES["decode"] += 1
     batch = slots.token.shape[0]
     start = slots.count
@@ -206,11 +191,41 @@ def decode(params: Params, config: Config, slots: Slots, steps: jax.Array, out_l
                           top_logprobs=top_logprobs)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 5, 6, 7), donate_argnums=(2,))
+def verify(params: Params, config: Config, slots: Slots, drafts: jax.Array, n_drafts: jax.Array,
+           constrain=None, top: bool = False, plan=None) -> tuple[Slots, Emitted]:
+    """One forward over every running row's last token and its first n_drafts[b] drafts (drafts [B, K]), then
+    each row's tokens chosen one by one, as `decode` would choose them, for as long as each equals the draft
+    fed after it: the row emits its accepted drafts and one token more (up to K + 1 tokens, fewer where it
+    stops). Greedy and seeded rows give exactly decode's tokens (token n is drawn with the row's key folded
+    with n, from logits conditioned on the tokens it chose). Returns the state and what each row emitted."""
+    TRACES["verify"] += 1
+    width = drafts.shape[1] + 1
+    running = slots.finish == RUNNING
+    columns = jnp.arange(width)
+    positions = jnp.where(running[:, None] & (columns <= n_drafts[:, None]), slots.length[:, None] - 1 + columns, -1)
+    tokens = jnp.concatenate([slots.token[:, None], drafts], axis=1)
+    logits, cache = forward(params, config, tokens, positions, slots.cache, constrain=constrain, plan=plan)
+    start = slots.count
+    next_drafts = jnp.concatenate([drafts, jnp.full_like(drafts[:, :1], -1)], axis=1)
+
+    def step(carry, column):
+        slots, accepting = carry
+        slots = choose(slots, logits[:, column], max_len, top, active=accepting)
+        accepting = (accepting & (slots.finish == RUNNING) & (column < n_drafts)
+                     & (slots.token == next_drafts[:, column]))
+        return (slots, accepting), (slots.token, slots.logprob, slots.top_ids, slots.top_logprobs)
+
+    max_len = slots.cache.max_len
+    (rows, _), out = jax.lax.scan(step, (slots.replace(cache=None), running), columns)
+    slots = rows.replace(cache=cache)
+    tokens, logprobs, top_ids, top_logprobs = (jnp.moveaxis(column, 0, 1) for column in out)
+    return slots, Emitted(tokens=tokens, logprobs=logprobs, count=slots.count - start, top_ids=top_ids,
+                          top_logprobs=top_logprobs)
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def free(slots: Slots, slot: jax.Array) -> Slots:
-    """Row `slot` emptied: FREE, and its slots hold no position (its keys and values are left, masked)."""
+    """Row `slot` emptied: FREE (its keys and values are left: a new request overwrites them before reading)."""
     TRACES["free"] += 1
-    positions = jax.lax.dynamic_update_slice(slots.cache.positions,
-                                             jnp.full((1, slots.cache.max_len), -1, jnp.int32), (slot, 0))
-    return slots.replace(cache=slots.cache.replace(positions=positions),
-                         finish=slots.finish.at[slot].set(FREE), count=slots.count.at[slot].set(0))
+    return slots.replace(finish=slots.finish.at[slot].set(FREE), count=slots.count.at[slot].set(0))

@@ -1,8 +1,7 @@
 """`generate`: batched, bucketed decoding on the decode core's per-slot primitives (`linnet_jax.decode`).
 
-A call becomes: each prompt (`linnet_jax.inputs`) left-padded to a bucket of T (powers of two from 16),
-prefilled on its own and inserted into its row of a decode state of a bucketed length, then `decode`
-steps with the loop on the device until every row has stopped. Everything a request owns (sampling
+A call becomes: every prompt (`linnet_jax.inputs`) prefilled into its own row of a decode state of a
+bucketed length, in one dispatch of T columns (a bucket: powers of two from 16), then `decode` steps with the loop on the device until every row has stopped. Everything a request owns (sampling
 values, random key, stop ids, max_new_tokens) is an array in its row, so a new prompt length inside a
 bucket, max_new_tokens, temperature or seed reuses the compiled programs, and a row's tokens do not
 depend on the rows beside it. Each row's text is detokenized as its ids arrive (`linnet_jax.text`);
@@ -14,8 +13,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from linnet_jax.decode import FREE, LENGTH, RUNNING, STOP_ID, TRACES, decode
-from linnet_jax.inputs import (RequestError, SamplingOptions, admit, bucket, check_max_new_tokens, eos_ids,
-                               make_prompts, new_slots, sampling_options)
+from linnet_jax.inputs import (RequestError, SamplingOptions, bucket, check_max_new_tokens, eos_ids,
+                               extend_rows, make_prompts, new_slots, sampling_options)
 from linnet_jax.loaded import Model
 from linnet_jax.models.config import Config
 from linnet_jax.sharding import host
@@ -50,14 +49,14 @@ def plan_cache(config: Config, prompts: list[list[int]], max_new_tokens: int, ma
 
 def run(model: Model, prompts: list[list[int]], options: SamplingOptions, max_new_tokens: int, max_len: int,
         chunk: int | None) -> Iterator[tuple[list[list[int]], list[list[float]], np.ndarray]]:
-    """Admit each prompt into its row, then decode `chunk` steps per dispatch (to the end when None), yielding
+    """Prefill every prompt into its row, then decode `chunk` steps per dispatch (to the end when None), yielding
     each row's new tokens and their logprobs, and every row's finish state [B], after the prefill and after each
     dispatch."""
     config, params = model.config, model.decode_params
     constrain = model.layout and model.layout.constrain
-    slots = new_slots(model, len(prompts), max_len)
-    for row, prompt in enumerate(prompts):
-        slots = admit(model, slots, row, prompt, options.row(row).requests(max_new_tokens))
+    rows = range(len(prompts))
+    slots = extend_rows(model, new_slots(model, len(prompts), max_len), list(rows), prompts, [0] * len(prompts),
+                        [options.row(row).requests(max_new_tokens) for row in rows], [True] * len(prompts))
     finish = host(slots.finish)
     yield [[t] for t in host(slots.token).tolist()], [[p] for p in host(slots.logprob).tolist()], finish
     steps = max_new_tokens - 1 if chunk is None else chunk

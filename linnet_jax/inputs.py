@@ -1,5 +1,5 @@
 """A request's inputs, validated, as the decode core takes them: prompts → ids, sampling options, seeds,
-stop ids, the bucket rule, left padding, and `admit` (prefill one prompt, insert it into a slot).
+stop ids, the bucket rule, and `extend_rows` (prompt chunks into rows of a decode state, one dispatch).
 
 `generate` and the serving engine both build their requests here, so the two refuse the same values with
 the same `RequestError`, which names the field it is about.
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet_jax.decode import Request, Slots, empty_slots, insert, prefill
+from linnet_jax.decode import Request, Slots, empty_slots, extend
 from linnet_jax.loaded import Model, as_token_batch
 from linnet_jax.ops import SamplingParams
 
@@ -46,16 +46,6 @@ def buckets(limit: int) -> list[int]:
     return sizes + [limit] * (sizes[-1] < limit)
 
 
-def left_pad(prompts: list[list[int]], length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids and positions [B, length], prompts right-aligned; padding has token 0 and position -1."""
-    tokens = np.zeros((len(prompts), length), np.int32)
-    positions = np.full((len(prompts), length), -1, np.int32)
-    for row, prompt in enumerate(prompts):
-        tokens[row, length - len(prompt):] = prompt
-        positions[row, length - len(prompt):] = np.arange(len(prompt))
-    return tokens, positions
-
-
 def new_slots(model: Model, batch: int, max_len: int) -> Slots:
     """An empty decode state for the model: on its device, or on its mesh (the cache by the layout's rules)."""
     args = (model.config, batch, max_len, STOP_ID_SLOTS, model.params.embed.dtype)
@@ -67,13 +57,23 @@ def new_slots(model: Model, batch: int, max_len: int) -> Slots:
     return jax.jit(empty_slots, static_argnums=range(5), out_shardings=shardings)(*args)
 
 
-def admit(model: Model, slots: Slots, slot: int, prompt: list[int], request: Request) -> Slots:
-    """One prompt, left-padded to its bucket, prefilled with its request (one row) and inserted into row `slot`
-    of the decode state; its first token is chosen."""
-    max_len = slots.cache.max_len
-    tokens, positions = left_pad([prompt], bucket(len(prompt), max_len))
-    prefix = prefill(model.decode_params, model.config, tokens, positions, request, max_len, plan=model.plan)
-    return insert(prefix, slots, slot)
+def extend_rows(model: Model, slots: Slots, rows: list[int], chunks: list[list[int]], starts: list[int],
+                requests: list[Request], last: list[bool], height: int | None = None, width: int | None = None
+                ) -> Slots:
+    """Prompt chunks into rows of the decode state in one `extend` dispatch: chunk i (its tokens at positions
+    starts[i] ..) into row rows[i], with its request (one row each); last[i]: it ends its prompt (the row's
+    first token is chosen). Padded to `height` rows (padding rows write nothing) and `width` columns; by
+    default the rows given and the bucket of the longest chunk."""
+    height, width = height or len(rows), width or bucket(max(map(len, chunks)), slots.cache.max_len)
+    padding = height - len(rows)
+    tokens = np.zeros((height, width), np.int32)
+    for row, chunk in enumerate(chunks):
+        tokens[row, :len(chunk)] = chunk
+    column = lambda values, fill, dtype: np.asarray(list(values) + [fill] * padding, dtype)  # noqa: E731
+    request = jax.tree.map(lambda *columns: np.concatenate(columns), *requests, *[requests[0]] * padding)
+    return extend(model.decode_params, model.config, slots, column(rows, slots.token.shape[0], np.int32), tokens,
+                  column(starts, 0, np.int32), column(map(len, chunks), 0, np.int32), request,
+                  column(last, False, bool), model.layout and model.layout.constrain, model.plan)
 
 
 # --- prompts --------------------------------------------------------------------------------------------------

@@ -200,8 +200,7 @@ class Layout:
         return {name: self.sharding(name, axes, shapes[name], weight=True) for name, axes in param_axes(config).items()}
 
     def cache_shardings(self, config: Config, batch: int, max_len: int) -> KVCache:
-        """The KV cache's shardings, as a KVCache: each layer's k [N, S, K] and v [N, K, S], positions [B, S],
-        cursor (replicated).
+        """The KV cache's shardings, as a KVCache: each layer's k [N, S, K] and v [N, K, S].
 
         The N = B * G rows take the batch's mesh axes, then the kv heads'.
         """
@@ -211,9 +210,7 @@ class Layout:
         _, _, slots, dim = spec
         layers = range(config.num_layers)
         return KVCache(k=tuple(NamedSharding(self.mesh, PartitionSpec(rows or None, slots, dim)) for _ in layers),
-                       v=tuple(NamedSharding(self.mesh, PartitionSpec(rows or None, dim, slots)) for _ in layers),
-                       positions=NamedSharding(self.mesh, PartitionSpec(spec[0], slots)),
-                       cursor=self.replicated())
+                       v=tuple(NamedSharding(self.mesh, PartitionSpec(rows or None, dim, slots)) for _ in layers))
 
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec())

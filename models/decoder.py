@@ -11,12 +11,13 @@ on XLA:CPU). The weights come stacked (each layer's slice taken inside the progr
 TPUs read them) or as per-layer arrays (`unstack_layers`, what XLA:CPU wants: the one plan,
 `linnet_jax.backend.Plan`, says which).
 
-The cache is a ring of S slots per row with one write cursor shared by every row: the T new
-tokens of every row go to slots cursor .. cursor + T - 1 (mod S), so a step writes each layer's
-keys and values with one update whatever the number of rows. Each slot also records the position
-it holds (-1 = none), and masks come from those positions, never from slot indices: rows that
-joined at different times, hold different lengths or are idle share one program. A new token
-whose position is negative (padding, or an idle row) leaves its row's slot as it was.
+The cache holds S slots per row, and slot i holds the row's position i: a row's T new tokens are
+written at their own positions, so rows of different lengths, rows that take several tokens in a
+step (a prompt's chunk, speculative drafts) and rows that take none share one program. A new token
+whose position is negative (padding, an idle row) writes nothing. Masks come from positions: a
+query at position q sees slots 0..q (and only the window's, under a sliding window), so an entry a
+row wrote past its current length (a rejected draft, an earlier request in the same row) is never
+read before the row writes that slot again.
 """
 
 import functools
@@ -34,33 +35,25 @@ from linnet_jax.ops import apply_rope, attention, inverse_frequencies, rms_norm,
 
 @flax.struct.dataclass
 class KVCache:
-    """A ring of S slots per row, written at one shared cursor.
+    """S slots per row, slot i holding position i.
 
     k: L per-layer keys [N, S, K] and v: L per-layer values [N, K, S], N = B * G rows (row b * G + g:
-    batch row b, key/value head g), the layout `attention` takes; positions: [B, S] int32, the
-    position each slot holds (-1 = none); cursor: int32 scalar, the slot the next token of every
-    row goes to.
+    batch row b, key/value head g), the layout `attention` takes.
     """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
-    positions: jax.Array
-    cursor: jax.Array
 
     @property
     def max_len(self) -> int:
-        return self.positions.shape[1]
+        return self.k[0].shape[1]
 
 
 def init_cache(config: Config, batch: int, max_len: int, dtype=None) -> KVCache:
     """An empty cache of max_len slots per row, in the params dtype unless told otherwise."""
     rows, layers, dtype = batch * config.num_kv_heads, range(config.num_layers), dtype or config.dtype
-    return KVCache(
-        k=tuple(jnp.zeros((rows, max_len, config.head_dim), dtype) for _ in layers),
-        v=tuple(jnp.zeros((rows, config.head_dim, max_len), dtype) for _ in layers),
-        positions=jnp.full((batch, max_len), -1, jnp.int32),
-        cursor=jnp.zeros((), jnp.int32),
-    )
+    return KVCache(k=tuple(jnp.zeros((rows, max_len, config.head_dim), dtype) for _ in layers),
+                   v=tuple(jnp.zeros((rows, config.head_dim, max_len), dtype) for _ in layers))
 
 
 def project_qkv(h: jax.Array, lp: LayerParams, config: Config, lora: Lora | None = None, einsum=jnp.einsum
@@ -80,41 +73,24 @@ def project_qkv(h: jax.Array, lp: LayerParams, config: Config, lora: Lora | None
     return q, k, v
 
 
-def ring_write(cache: jax.Array, new: jax.Array, written: jax.Array, cursor: jax.Array, slot_axis: int) -> jax.Array:
-    """Write every row's T new entries into slots cursor .. cursor + T - 1 (mod S), as one update.
-
-    cache: one layer's keys [N, S, K] (slot_axis -2) or values [N, K, S] (slot_axis -1); new:
-    [N, T, K] or [N, K, T]; written: [N, T] bool, False where a row's slot keeps its old entry
-    (padding, idle rows). The number of update ops does not depend on N.
-    """
-    slots = (cursor + jnp.arange(new.shape[slot_axis])) % cache.shape[slot_axis]
-    index = (slice(None),) * (cache.ndim + slot_axis) + (slots,)
-    keep = jnp.expand_dims(written, cache.ndim + slot_axis + 1 if slot_axis == -2 else 1)
-    return cache.at[index].set(jnp.where(keep, new.astype(cache.dtype), cache[index]), unique_indices=True)
+def write_slots(positions: jax.Array, heads: int, max_len: int) -> tuple[jax.Array, jax.Array]:
+    """Where T new tokens of each row go: (cache row, slot) index pairs [N, T] for positions [B, T], a slot past
+    the cache (dropped by the scatter) where the position is negative."""
+    rows = jnp.arange(positions.shape[0] * heads)[:, None]
+    slots = jnp.repeat(jnp.where(positions >= 0, positions, max_len), heads, axis=0)
+    return jnp.broadcast_to(rows, slots.shape), slots
 
 
-def update_cache(cache: KVCache, layer: int, keys: jax.Array, values: jax.Array, written: jax.Array
+def update_cache(cache: KVCache, layer: int, keys: jax.Array, values: jax.Array, positions: jax.Array
                  ) -> tuple[KVCache, jax.Array, jax.Array]:
-    """Write layer `layer`'s new keys [N, T, K] and values [N, K, T] at the cursor (written: [N, T] bool).
-
-    Returns the cache and the layer's keys [N, S, K] and values [N, K, S].
-    """
-    k = ring_write(cache.k[layer], keys, written, cache.cursor, -2)
-    v = ring_write(cache.v[layer], values, written, cache.cursor, -1)
+    """Write layer `layer`'s new keys [N, T, K] and values [N, K, T] at their positions [B, T] (none where
+    negative). Returns the cache and the layer's keys [N, S, K] and values [N, K, S]."""
+    rows, slots = write_slots(positions, keys.shape[0] // positions.shape[0], cache.max_len)
+    k = cache.k[layer].at[rows, slots].set(keys.astype(cache.k[layer].dtype), mode="drop", unique_indices=True)
+    v = cache.v[layer].at[rows, :, slots].set(jnp.swapaxes(values, 1, 2).astype(cache.v[layer].dtype), mode="drop",
+                                              unique_indices=True)
     replaced = lambda arrays, new: (*arrays[:layer], new, *arrays[layer + 1:])  # noqa: E731
     return cache.replace(k=replaced(cache.k, k), v=replaced(cache.v, v)), k, v
-
-
-def record_positions(cache: KVCache, positions: jax.Array) -> KVCache:
-    """Record the positions [B, T] of T new tokens in every row's slots at the cursor (-1 where padding)."""
-    t = positions.shape[1]
-    slots = (cache.cursor + jnp.arange(t)) % cache.max_len
-    return cache.replace(positions=cache.positions.at[:, slots].set(positions.astype(jnp.int32), unique_indices=True))
-
-
-def advance(cache: KVCache, t: int) -> KVCache:
-    """The cache with its cursor moved past T written slots."""
-    return cache.replace(cursor=(cache.cursor + t) % cache.max_len)
 
 
 def decoder_layer(
@@ -144,9 +120,9 @@ def decoder_layer(
         if cache is None:
             mixed = attention(q, keys, values, rope_positions, positions, window, segment_ids)
         else:
-            written = jnp.repeat(positions >= 0, g, axis=0)  # [N, T]
-            cache, keys, values = update_cache(cache, layer, keys, values, written)
-            mixed = attention(q, keys, values, rope_positions, cache.positions, window)
+            cache, keys, values = update_cache(cache, layer, keys, values, positions)
+            slot_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (b, cache.max_len))  # slot i: position i
+            mixed = attention(q, keys, values, rope_positions, slot_positions, window)
         out = einsum("bthk,hkd->btd", mixed, lp.wo)
         out = out + lp.bo if config.o_bias else out
         x = x + (out if lora is None else lora.add(out, "wo", mixed))
@@ -173,8 +149,8 @@ def forward(
     """Logits of the next token at each new position, and the updated cache.
 
     tokens, positions: [B, T] int; a negative position marks padding, never attended to nor written
-    to the cache. With a cache, every row's tokens go to the T slots at its cursor (mod S), which
-    the caller makes sure hold nothing the row still needs. logits_at: optional [B] indices into T;
+    to the cache. With a cache, each token goes to the slot of its position (< S), and attends to
+    the row's slots up to its position, which the caller makes sure hold that row's earlier tokens. logits_at: optional [B] indices into T;
     then only those positions' logits are computed ([B, 1, V]). constrain(array, logical axes):
     applied to the activations at every block boundary and to the logits (sharding constraints,
     `linnet_jax.sharding.Layout.constrain`); None for none.
@@ -190,8 +166,6 @@ def forward(
     constrain = constrain or (lambda array, axes: array)
     activation = ("batch", "seq", "embed")  # the logical axes of x
     x = constrain(jnp.take(params.embed, tokens, axis=0), activation)
-    if cache is not None:
-        cache = record_positions(cache, positions)
     einsum = jnp.einsum if plan is None else plan.einsum
     layer_fn = functools.partial(decoder_layer, einsum=einsum)
     if cache is not None or isinstance(params.layers, tuple):  # unrolled: window and layer are static ints
@@ -210,8 +184,6 @@ def forward(
             return constrain(x, activation), None
 
         x, _ = jax.lax.scan(body, x, (params.layers, jnp.asarray(config.layer_windows, jnp.int32), lora))
-    if cache is not None:
-        cache = advance(cache, tokens.shape[1])
     x = rms_norm(x, params.final_norm, config.rms_norm_eps)
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)

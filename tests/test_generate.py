@@ -73,7 +73,7 @@ def test_no_retrace_inside_buckets(tiny_dir):
     generate(model, tokens=[[5, 6, 7]], max_new_tokens=13, stop_token_ids=[3, 4])
     assert TRACES == before
     generate(model, tokens=[list(range(1, 40))], max_new_tokens=10)  # a new prompt bucket does trace
-    assert TRACES["prefill"] == before["prefill"] + 1
+    assert TRACES["extend"] == before["extend"] + 1
 
 
 def draws(logits: np.ndarray, n: int, **settings) -> np.ndarray:
