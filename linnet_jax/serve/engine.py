@@ -2,10 +2,16 @@
 
 One scheduler thread owns the decode state. Each iteration it
   - frees the slots of finished and cancelled requests,
-  - admits queued requests into free slots (prefill in length buckets, then insert), at most
-    `prefills_per_step` of them, so that a burst of arrivals never starves the requests decoding,
-  - advances every busy slot `steps_per_dispatch` decode steps in one device call,
+  - gives queued requests free slots, copying the cached blocks of their prompts' prefixes in
+    (`linnet_jax.prefix_cache`),
+  - prefills the next chunk of up to `prefill_batch` waiting prompts in one dispatch (`extend`: at most
+    `prefill_chunk` tokens of each, `max_step_tokens` in all), so that a long prompt holds the requests
+    decoding for one chunk at a time, never for its whole prefill,
+  - advances every decoding slot `steps_per_dispatch` decode steps in one device call, or one step
+    that verifies each slot's n-gram drafts (`linnet_jax.speculative`),
   - hands each request its new tokens.
+Every dispatch's shape is a bucket (rows: powers of two up to prefill_batch; columns: powers of two from
+16 up to prefill_chunk), so nothing compiles after `warmup()`; `step_log` records what each carried.
 Requests are submitted from any thread (`submit`), or from asyncio (`Handle.__aiter__`); a full
 queue refuses a request (`QueueFull`) rather than buffering it without bound. A request's tokens
 are the ones `generate` gives for the same arguments: everything it owns lives in its slot.
@@ -19,14 +25,15 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 
-import jax
 import numpy as np
 
-from linnet_jax.decode import TOP_LOGPROBS, TRACES, decode, free
-from linnet_jax.inputs import (MIN_BUCKET, RequestError, admit, bucket, buckets, check_max_new_tokens, eos_ids,
-                               make_prompts, new_slots, sampling_options)
+from linnet_jax.decode import TOP_LOGPROBS, TRACES, decode, free, verify
+from linnet_jax.inputs import (MIN_BUCKET, RequestError, bucket, buckets, check_max_new_tokens, eos_ids,
+                               extend_rows, make_prompts, new_slots, sampling_options)
 from linnet_jax.loaded import Model
+from linnet_jax.prefix_cache import PrefixCache
 from linnet_jax.sharding import host
+from linnet_jax.speculative import Ngram, draft_arrays, propose, speculative_config
 from linnet_jax.text import Cursor, Detokenizer, Generation, take
 
 
@@ -53,6 +60,8 @@ class Work:
     request: object  # linnet_jax.decode.Request, one row
     top_logprobs: int  # how many alternatives to report beside each token (0: none)
     handle: "Handle"
+    prefilled: int = 0  # prompt tokens in the slot's cache
+    decoding: bool = False  # the prompt is prefilled and the first token chosen
 
 
 class Handle:
@@ -165,26 +174,51 @@ class Engine:
     handle = engine.submit("Hello", max_tokens=32)   # a prompt, a conversation or token ids
     for piece in handle: print(piece.text, end="")
     engine.close()
+
+    prefill_batch: prompts prefilled together in one dispatch; prefill_chunk: the most tokens of one prompt in
+    a dispatch (longer prompts take several, decode dispatches running between them); max_step_tokens: the
+    most tokens (rows × columns, padding included) one prefill dispatch carries (default prefill_batch ×
+    prefill_chunk). prefix_cache: keep prompts' leading blocks of prefix_block tokens (at most
+    prefix_cache_gb GiB) and copy them into slots of prompts that start the same way. speculative: n-gram
+    drafts verified in one forward (`linnet_jax.speculative`; vLLM's speculative_config names).
     """
 
     def __init__(self, model: Model, slots: int = 16, max_len: int = 640, max_queue: int = 256, *,
-                 steps_per_dispatch: int = 8, prefills_per_step: int = 4):
+                 steps_per_dispatch: int = 8, prefill_batch: int = 4, prefill_chunk: int = 256,
+                 max_step_tokens: int | None = None, prefix_cache: bool = True, prefix_block: int = 64,
+                 prefix_cache_gb: float = 1.0, speculative: dict | Ngram | None = None):
+        max_step_tokens = prefill_batch * prefill_chunk if max_step_tokens is None else max_step_tokens
         for name, value in (("slots", slots), ("max_len", max_len), ("max_queue", max_queue),
-                            ("steps_per_dispatch", steps_per_dispatch), ("prefills_per_step", prefills_per_step)):
+                            ("steps_per_dispatch", steps_per_dispatch), ("prefill_batch", prefill_batch),
+                            ("prefill_chunk", prefill_chunk), ("max_step_tokens", max_step_tokens),
+                            ("prefix_block", prefix_block)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not MIN_BUCKET <= max_len <= model.config.max_position_embeddings:
             raise ValueError(f"max_len must be in [{MIN_BUCKET}, {model.config.max_position_embeddings}] (the model's "
                              f"context), got {max_len}")
+        if prefill_chunk < MIN_BUCKET or prefill_chunk & (prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk must be a power of two ≥ {MIN_BUCKET}, got {prefill_chunk}")
+        if max_step_tokens < prefill_chunk:
+            raise ValueError(f"max_step_tokens ({max_step_tokens}) must hold one chunk: ≥ prefill_chunk "
+                             f"({prefill_chunk})")
+        if not isinstance(prefix_cache_gb, (int, float)) or isinstance(prefix_cache_gb, bool) or prefix_cache_gb <= 0:
+            raise ValueError(f"prefix_cache_gb must be a number > 0, got {prefix_cache_gb!r}")
         self.model, self.max_len, self.max_queue = model, int(max_len), int(max_queue)
         self.eos = eos_ids(model)
-        self.steps, self.prefills_per_step = int(steps_per_dispatch), int(prefills_per_step)
+        self.steps, self.prefill_batch = int(steps_per_dispatch), int(prefill_batch)
+        self.prefill_chunk, self.max_step_tokens = int(prefill_chunk), int(max_step_tokens)
+        self.speculative = speculative_config(speculative)
         self.state = new_slots(model, int(slots), self.max_len)
+        self.prefixes = PrefixCache(model, self.max_len, int(prefix_block), prefix_cache_gb,
+                                    most=16 * int(slots) * (self.max_len // int(prefix_block))) if prefix_cache else None
         self.owners: list[Work | None] = [None] * int(slots)
         self.queue: deque[Work] = deque()
         self.counters = {"tokens_generated": 0, "requests_finished": 0}
+        self.step_log: deque[tuple[str, int, int]] = deque(maxlen=65536)  # (kind, rows, tokens) per dispatch
         self.on_finish: list[Callable[[Handle], None]] = []  # metrics hooks, called on the scheduler thread
         self.warm_traces: int | None = None
+        self._tasks: deque[Callable[[], None]] = deque()  # work run on the scheduler thread (warmup)
         self._wake = threading.Condition()
         self._closing = self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="linnet-jax-engine", daemon=True)
@@ -246,14 +280,43 @@ class Engine:
         return work.handle
 
     def warmup(self) -> None:
-        """Compile every program the engine uses (each prefill bucket, insert, decode, free), then count
-        compiles from here on (`compiles_after_warmup`)."""
-        for top in (0, 1):  # decode without, then with, top logprobs
-            handles = [self.submit(tokens=[1] * max(1, min(size, self.max_len - 2)), max_tokens=2, ignore_eos=True,
-                                   top_logprobs=top) for size in self.buckets()]
-            for handle in handles:
-                handle.result()
+        """Compile every program the engine uses (each prefill shape, decode and verify with and without top
+        logprobs, free, the prefix cache's copies), then count compiles from here on (`compiles_after_warmup`).
+        Each program runs once over rows that hold nothing, which changes no request."""
+        done = threading.Event()
+
+        def compile_all():
+            try:
+                self._compile_all()
+            finally:
+                done.set()
+
+        with self._wake:
+            self._tasks.append(compile_all)
+            self._wake.notify_all()
+        done.wait()
         self.warm_traces = sum(TRACES.values())
+
+    def _compile_all(self) -> None:
+        model, nothing = self.model, self.slots  # a row past the state: writes nothing
+        request = sampling_options(model, 1).requests(1)
+        for rows in self.row_buckets():
+            for width in buckets(self.prefill_chunk):
+                self.state = extend_rows(model, self.state, [nothing], [[0]], [0], [request], [False], rows, width)
+        for top in (False, True):
+            self.state, _ = self._decode(top)
+            if self.speculative:
+                self.state, _ = self._verify([[]] * self.slots, top)
+        self.state = free(self.state, np.int32(0))
+        if self.prefixes:
+            self.state = self.prefixes.compile(self.state)
+
+    def row_buckets(self) -> list[int]:
+        """The rows of a prefill dispatch: powers of two up to prefill_batch, and prefill_batch."""
+        sizes = [1]
+        while sizes[-1] * 2 < self.prefill_batch:
+            sizes.append(sizes[-1] * 2)
+        return sizes + [self.prefill_batch] * (sizes[-1] < self.prefill_batch)
 
     @property
     def compiles_after_warmup(self) -> int | None:
@@ -261,11 +324,14 @@ class Engine:
         return None if self.warm_traces is None else sum(TRACES.values()) - self.warm_traces
 
     def stats(self) -> dict[str, int]:
-        """Running and queued requests, busy slots, tokens generated and requests finished so far."""
+        """Running and queued requests, busy slots, tokens generated and requests finished so far, and the prefix
+        cache's lookups and hits in tokens."""
         with self._wake:
             busy = sum(owner is not None for owner in self.owners)
+            prefixes = self.prefixes
             return {"running": busy, "queued": len(self.queue), "busy_slots": busy, "slots": self.slots,
-                    **self.counters}
+                    **self.counters, "prefix_cache_hit_tokens": prefixes.hit_tokens if prefixes else 0,
+                    "prefix_cache_lookup_tokens": prefixes.lookup_tokens if prefixes else 0}
 
     def wake(self) -> None:
         with self._wake:
@@ -301,12 +367,16 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                self._wake.wait_for(lambda: self._stopped or self.queue or any(self.owners))
+                self._wake.wait_for(lambda: self._stopped or self.queue or any(self.owners) or self._tasks)
                 if self._stopped and not any(self.owners) and not self.queue:
                     return
+                tasks, self._tasks = list(self._tasks), deque()
+            for task in tasks:
+                task()
             self._release()
             self._admit()
-            if any(self.owners):
+            self._prefill()
+            if any(work is not None and work.decoding for work in self.owners):
                 self._dispatch()
 
     def _release(self) -> None:
@@ -320,29 +390,96 @@ class Engine:
                 self._vacate(slot, "cancelled")
 
     def _admit(self) -> None:
-        """Prefill and insert up to prefills_per_step queued requests into free slots."""
-        for _ in range(self.prefills_per_step):
+        """Give queued requests the free slots, with their prompts' cached prefix blocks copied in."""
+        while True:
             slot = next((s for s, owner in enumerate(self.owners) if owner is None), None)
             with self._wake:
                 if slot is None or not self.queue:
                     return
                 work = self.queue.popleft()
-            self.state = admit(self.model, self.state, slot, work.prompt, work.request)
-            with self._wake:
                 self.owners[slot] = work
-            row = jax.tree.map(lambda column: host(column)[slot], (self.state.token, self.state.logprob,
-                                                                   self.state.top_ids, self.state.top_logprobs,
-                                                                   self.state.finish))
-            token, logprob, top_ids, top_logprobs, finish = row
-            self._deliver(slot, [int(token)], [float(logprob)], self._top(work, top_ids[None], top_logprobs[None]),
-                          int(finish))
+            if self.prefixes:
+                hit = self.prefixes.lookup(work.prompt)
+                if hit:
+                    self.state = self.prefixes.restore(self.state, slot, work.prompt, hit)
+                    work.prefilled = len(hit) * self.prefixes.block
+
+    def _prefill(self) -> None:
+        """The next chunk of the oldest waiting prompts, in one dispatch of at most prefill_batch rows and
+        max_step_tokens tokens; the prompts it completes get their first token."""
+        waiting = [(slot, work) for slot, work in enumerate(self.owners) if work is not None and not work.decoding]
+        waiting.sort(key=lambda item: item[1].handle.submitted)
+        chosen: list[tuple[int, Work, int]] = []  # slot, work, chunk length
+        for slot, work in waiting[:self.prefill_batch]:
+            size = min(len(work.prompt) - work.prefilled, self.prefill_chunk)
+            sizes = [size, *(n for _, _, n in chosen)]
+            if chosen and self._rows_for(len(sizes)) * bucket(max(sizes), self.prefill_chunk) > self.max_step_tokens:
+                break
+            chosen.append((slot, work, size))
+        if not chosen:
+            return
+        rows, width = self._rows_for(len(chosen)), bucket(max(n for _, _, n in chosen), self.prefill_chunk)
+        self.state = extend_rows(
+            self.model, self.state, [slot for slot, _, _ in chosen],
+            [work.prompt[work.prefilled:work.prefilled + n] for _, work, n in chosen],
+            [work.prefilled for _, work, _ in chosen], [work.request for _, work, _ in chosen],
+            [work.prefilled + n == len(work.prompt) for _, work, n in chosen], rows, width)
+        self.step_log.append(("prefill", len(chosen), sum(n for _, _, n in chosen)))
+        done = []
+        for slot, work, n in chosen:
+            work.prefilled += n
+            if work.prefilled == len(work.prompt):
+                work.decoding = True
+                done.append((slot, work))
+        if not done:
+            return
+        token, logprob, top_ids, top_logprobs, finish = (host(column) for column in (
+            self.state.token, self.state.logprob, self.state.top_ids, self.state.top_logprobs, self.state.finish))
+        for slot, work in done:
+            if self.prefixes:
+                self.prefixes.store(self.state, slot, work.prompt)
+            self._deliver(slot, [int(token[slot])], [float(logprob[slot])],
+                          self._top(work, top_ids[slot][None], top_logprobs[slot][None]), int(finish[slot]))
+
+    def _rows_for(self, count: int) -> int:
+        """The prefill rows bucket that holds `count` prompts."""
+        return next(size for size in self.row_buckets() if size >= count)
+
+    def _decode(self, top: bool):
+        model = self.model
+        return decode(model.decode_params, model.config, self.state, np.int32(self.steps), self.steps,
+                      model.layout and model.layout.constrain, top, model.plan)
+
+    def _verify(self, drafts: list[list[int]], top: bool):
+        model = self.model
+        tokens, counts = draft_arrays(drafts, self.speculative.num_speculative_tokens)
+        return verify(model.decode_params, model.config, self.state, tokens, counts,
+                      model.layout and model.layout.constrain, top, model.plan)
+
+    def _drafts(self) -> list[list[int]]:
+        """Each decoding slot's n-gram drafts (none past its room), [] for the others."""
+        drafts = []
+        for work in self.owners:
+            if work is None or not work.decoding:
+                drafts.append([])
+                continue
+            history = work.prompt + work.handle.tokens
+            drafts.append(propose(history, self.speculative, self.max_len - len(history)))
+        return drafts
 
     def _dispatch(self) -> None:
-        """steps_per_dispatch decode steps over every busy slot; hand out the tokens."""
-        model = self.model
+        """steps_per_dispatch decode steps over every decoding slot, or one step verifying their drafts; hand out
+        the tokens."""
         top = any(work is not None and work.top_logprobs for work in self.owners)
-        self.state, emitted = decode(model.decode_params, model.config, self.state, np.int32(self.steps), self.steps,
-                                     model.layout and model.layout.constrain, top, model.plan)
+        drafts = self._drafts() if self.speculative else []
+        if any(drafts):
+            self.state, emitted = self._verify(drafts, top)
+            self.step_log.append(("verify", sum(work is not None and work.decoding for work in self.owners),
+                                  sum(map(len, drafts))))
+        else:
+            self.state, emitted = self._decode(top)
+            self.step_log.append(("decode", sum(work is not None and work.decoding for work in self.owners),
+                                  self.steps))
         tokens, logprobs, counts = host(emitted.tokens), host(emitted.logprobs), host(emitted.count)
         finish = host(self.state.finish)
         top_ids, top_logprobs = (host(emitted.top_ids), host(emitted.top_logprobs)) if top else (None, None)
@@ -370,7 +507,7 @@ class Engine:
             self._vacate(slot, reason)
 
     def _vacate(self, slot: int, reason: str) -> None:
-        self.state = free(self.state, slot)
+        self.state = free(self.state, np.int32(slot))
         with self._wake:
             work, self.owners[slot] = self.owners[slot], None
         self._finish(work, reason)
