@@ -12,12 +12,13 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from linnet_jax.decode import FREE, LENGTH, RUNNING, STOP_ID, TRACES, decode
+from linnet_jax.decode import FREE, LENGTH, RUNNING, STOP_ID, TRACES, decode, verify
 from linnet_jax.inputs import (RequestError, SamplingOptions, bucket, check_max_new_tokens, eos_ids,
                                extend_rows, make_prompts, new_slots, sampling_options)
 from linnet_jax.loaded import Model
 from linnet_jax.models.config import Config
 from linnet_jax.sharding import host
+from linnet_jax.speculative import Ngram, draft_arrays, propose, speculative_config
 from linnet_jax.text import Cursor, Detokenizer, Generation, take
 
 STREAM_CHUNK = 4  # decode steps per dispatch when streaming
@@ -48,25 +49,35 @@ def plan_cache(config: Config, prompts: list[list[int]], max_new_tokens: int, ma
 
 
 def run(model: Model, prompts: list[list[int]], options: SamplingOptions, max_new_tokens: int, max_len: int,
-        chunk: int | None) -> Iterator[tuple[list[list[int]], list[list[float]], np.ndarray]]:
-    """Prefill every prompt into its row, then decode `chunk` steps per dispatch (to the end when None), yielding
-    each row's new tokens and their logprobs, and every row's finish state [B], after the prefill and after each
-    dispatch."""
+        chunk: int | None, speculative: Ngram | None = None
+        ) -> Iterator[tuple[list[list[int]], list[list[float]], np.ndarray]]:
+    """Prefill every prompt into its row, then decode `chunk` steps per dispatch (to the end when None), or
+    verify each row's n-gram drafts one step per dispatch (speculative), yielding each row's new tokens and their
+    logprobs, and every row's finish state [B], after the prefill and after each dispatch."""
     config, params = model.config, model.decode_params
     constrain = model.layout and model.layout.constrain
     rows = range(len(prompts))
     slots = extend_rows(model, new_slots(model, len(prompts), max_len), list(rows), prompts, [0] * len(prompts),
                         [options.row(row).requests(max_new_tokens) for row in rows], [True] * len(prompts))
     finish = host(slots.finish)
+    histories = [prompt + [token] for prompt, token in zip(prompts, host(slots.token).tolist())]
     yield [[t] for t in host(slots.token).tolist()], [[p] for p in host(slots.logprob).tolist()], finish
     steps = max_new_tokens - 1 if chunk is None else chunk
     out_len = bucket(steps) if chunk is None else chunk
     while (finish == RUNNING).any():
-        slots, emitted = decode(params, config, slots, np.int32(steps), out_len, constrain, plan=model.plan)
+        if speculative:
+            drafts = [propose(history, speculative, max_len - len(history)) if finish[row] == RUNNING else []
+                      for row, history in enumerate(histories)]
+            slots, emitted = verify(params, config, slots, *draft_arrays(drafts, speculative.num_speculative_tokens),
+                                    constrain, plan=model.plan)
+        else:
+            slots, emitted = decode(params, config, slots, np.int32(steps), out_len, constrain, plan=model.plan)
         tokens, logprobs, counts = host(emitted.tokens), host(emitted.logprobs), host(emitted.count)
         finish = host(slots.finish)
-        yield ([tokens[row, :count].tolist() for row, count in enumerate(counts)],
-               [logprobs[row, :count].tolist() for row, count in enumerate(counts)], finish)
+        new = [tokens[row, :count].tolist() for row, count in enumerate(counts)]
+        for history, tokens_ in zip(histories, new):
+            history += tokens_
+        yield new, [logprobs[row, :count].tolist() for row, count in enumerate(counts)], finish
 
 
 class Rows:
@@ -99,7 +110,7 @@ class Rows:
 def generate(model: Model, prompt=None, max_new_tokens: int = 128, *, tokens=None, max_len: int | None = None,
              temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=0,
              stop: str | list[str] | None = None, stop_token_ids=None, ignore_eos: bool = False,
-             chat: bool | None = None, stream: bool = False, return_details: bool = False):
+             chat: bool | None = None, stream: bool = False, return_details: bool = False, speculative=None):
     """Generate from text, conversations or ids. See the README for every input and result form.
 
     prompt: a string, a list of strings, a conversation ([{"role", "content"}, ...]) or a list of
@@ -108,7 +119,10 @@ def generate(model: Model, prompt=None, max_new_tokens: int = 128, *, tokens=Non
     draws stream b of it) or one per prompt (each prompt draws as it would alone). Stops at the
     model's eos ids and stop_token_ids (unless ignore_eos), at stop strings, or after max_new_tokens.
     max_len: the cache slots per row (prompt + new tokens); default a bucket that fits them.
-    stream=True (one prompt) returns an iterator of text pieces.
+    stream=True (one prompt) returns an iterator of text pieces. speculative: n-gram drafts from each row's own
+    prompt and output, verified in one forward per step (`linnet_jax.speculative`; vLLM's names, e.g.
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}): the
+    same tokens as without it, greedy or seeded, in fewer steps when the output repeats the context.
     A value that cannot be honoured raises a RequestError (a ValueError) naming its argument.
     """
     prompts = make_prompts(model, prompt, tokens, chat)
@@ -122,9 +136,10 @@ def generate(model: Model, prompt=None, max_new_tokens: int = 128, *, tokens=Non
     options = sampling_options(model, batch, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                repetition_penalty=repetition_penalty, seed=seed, stop=stop,
                                stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+    speculative = speculative_config(speculative)
     max_len = plan_cache(model.config, prompts.prompts, max_new_tokens, max_len)
     chunk = STREAM_CHUNK if stream else (STOP_STRING_CHUNK if options.stops else None)
-    dispatches = run(model, prompts.prompts, options, max_new_tokens, max_len, chunk)
+    dispatches = run(model, prompts.prompts, options, max_new_tokens, max_len, chunk, speculative)
     rows = Rows(model.tokenizer, options.stops, eos_ids(model), batch)
     if stream:
         return _stream(rows, dispatches)

@@ -52,6 +52,18 @@ class Piece:
     top_logprobs: list[list[tuple[int, float]]]  # per token, its top_logprobs most likely (id, logprob); or []
 
 
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One dispatch, as `Engine.step_log` records it: its kind ("prefill", "decode" or "verify"), the requests it
+    carried, the tokens it fed (prompt tokens; decoding rows × steps; decoding rows + drafts) and the tokens
+    it produced."""
+
+    kind: str
+    rows: int
+    tokens: int
+    emitted: int
+
+
 @dataclasses.dataclass
 class Work:
     """A validated request waiting for, or holding, a slot."""
@@ -215,7 +227,7 @@ class Engine:
         self.owners: list[Work | None] = [None] * int(slots)
         self.queue: deque[Work] = deque()
         self.counters = {"tokens_generated": 0, "requests_finished": 0}
-        self.step_log: deque[tuple[str, int, int]] = deque(maxlen=65536)  # (kind, rows, tokens) per dispatch
+        self.step_log: deque[Step] = deque(maxlen=65536)  # the latest dispatches
         self.on_finish: list[Callable[[Handle], None]] = []  # metrics hooks, called on the scheduler thread
         self.warm_traces: int | None = None
         self._tasks: deque[Callable[[], None]] = deque()  # work run on the scheduler thread (warmup)
@@ -424,13 +436,13 @@ class Engine:
             [work.prompt[work.prefilled:work.prefilled + n] for _, work, n in chosen],
             [work.prefilled for _, work, _ in chosen], [work.request for _, work, _ in chosen],
             [work.prefilled + n == len(work.prompt) for _, work, n in chosen], rows, width)
-        self.step_log.append(("prefill", len(chosen), sum(n for _, _, n in chosen)))
         done = []
         for slot, work, n in chosen:
             work.prefilled += n
             if work.prefilled == len(work.prompt):
                 work.decoding = True
                 done.append((slot, work))
+        self.step_log.append(Step("prefill", len(chosen), sum(n for _, _, n in chosen), len(done)))
         if not done:
             return
         token, logprob, top_ids, top_logprobs, finish = (host(column) for column in (
@@ -472,15 +484,15 @@ class Engine:
         the tokens."""
         top = any(work is not None and work.top_logprobs for work in self.owners)
         drafts = self._drafts() if self.speculative else []
+        rows = sum(work is not None and work.decoding for work in self.owners)
         if any(drafts):
             self.state, emitted = self._verify(drafts, top)
-            self.step_log.append(("verify", sum(work is not None and work.decoding for work in self.owners),
-                                  sum(map(len, drafts))))
+            kind, fed = "verify", rows + sum(map(len, drafts))
         else:
             self.state, emitted = self._decode(top)
-            self.step_log.append(("decode", sum(work is not None and work.decoding for work in self.owners),
-                                  self.steps))
+            kind, fed = "decode", rows * self.steps
         tokens, logprobs, counts = host(emitted.tokens), host(emitted.logprobs), host(emitted.count)
+        self.step_log.append(Step(kind, rows, fed, int(counts.sum())))
         finish = host(self.state.finish)
         top_ids, top_logprobs = (host(emitted.top_ids), host(emitted.top_logprobs)) if top else (None, None)
         for slot, work in enumerate(self.owners):
