@@ -7,6 +7,7 @@ missing model, a file in the way, a prompt that does not fit) prints one line na
 """
 
 import argparse
+import json
 import io
 import re
 import sys
@@ -62,6 +63,17 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
     serve.add_argument("--shutdown-deadline", type=non_negative_float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM/SIGINT before they are cancelled")
+    serve.add_argument("--prefill-batch", type=positive_int, default=4, help="prompts prefilled in one dispatch")
+    serve.add_argument("--prefill-chunk", type=positive_int, default=256,
+                       help="the most tokens of one prompt per dispatch (a power of two ≥ 16): longer prompts go in "
+                            "chunks, decoding continuing between them")
+    serve.add_argument("--max-step-tokens", type=positive_int, default=None,
+                       help="the most tokens one prefill dispatch carries (default prefill-batch x prefill-chunk)")
+    serve.add_argument("--no-prefix-cache", action="store_true", help="recompute shared prompt prefixes every time")
+    serve.add_argument("--prefix-cache-gb", type=float, default=1.0, help="the prefix cache's size in GiB")
+    serve.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                       help='n-gram speculative decoding, vLLM\'s names: \'{"method": "ngram", '
+                            '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
     add_finetune(commands.add_parser("finetune", parents=[source], help="fine-tune on a JSON Lines file (full or LoRA)"))
     return main
 
@@ -102,8 +114,14 @@ def check_flags(arguments: argparse.ArgumentParser, args) -> None:
     from linnet_jax.inputs import MIN_BUCKET, make_sampling
 
     if args.command == "serve":
+        from linnet_jax.speculative import speculative_config
+
         if args.max_len < MIN_BUCKET:
             arguments.error(f"--max-len must be at least {MIN_BUCKET}, got {args.max_len}")
+        try:
+            speculative_config(args.speculative_config, "--speculative-config")
+        except ValueError as error:
+            arguments.error(str(error))
         return
 
     if args.raw and args.system:
@@ -249,7 +267,14 @@ def serve(model, args) -> int:
     from linnet_jax.serve.app import create_app
     from linnet_jax.serve.app import serve as run_server
 
-    engine = Engine(model, slots=args.slots, max_len=args.max_len, max_queue=args.max_queue)
+    try:
+        engine = Engine(model, slots=args.slots, max_len=args.max_len, max_queue=args.max_queue,
+                        prefill_batch=args.prefill_batch, prefill_chunk=args.prefill_chunk,
+                        max_step_tokens=args.max_step_tokens, prefix_cache=not args.no_prefix_cache,
+                        prefix_cache_gb=args.prefix_cache_gb, speculative=args.speculative_config)
+    except ValueError as error:
+        print(f"linnet-jax serve: error: {error}", file=sys.stderr)
+        return 2
     start = time.perf_counter()
     engine.warmup()
     print(f"engine warmed up in {time.perf_counter() - start:.1f} s ({args.slots} slots of {args.max_len} positions)",

@@ -435,6 +435,18 @@ def test_metrics_report_the_engine(tiny_server):
     assert metric(tiny_server, "linnet_jax_time_to_first_token_seconds_count") > 0
 
 
+def test_metrics_count_prefix_cache_hits(tiny_chat, tiny_server):
+    system = "You are a careful assistant who answers in one short sentence. " * 8
+    before = [metric(tiny_server, f"linnet_jax_prefix_cache_{kind}_tokens_total") for kind in ("hit", "lookup")]
+    for question in ("What is a cat?", "What is a dog?"):
+        body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+                "max_tokens": 2}
+        assert httpx.post(f"{tiny_server}/v1/chat/completions", json=body).status_code == 200
+    hit, lookup = (metric(tiny_server, f"linnet_jax_prefix_cache_{kind}_tokens_total") - b
+                   for kind, b in zip(("hit", "lookup"), before))
+    assert lookup > 2 * 64 and hit >= 64  # the second conversation found the shared system prompt's blocks
+
+
 def test_queue_full_is_429_with_retry_after(tiny_chat):
     with Engine(tiny_chat, slots=1, max_len=64, max_queue=1) as engine, serving(engine) as url:
         running = engine.submit(tokens=[1, 2, 3], max_tokens=60, ignore_eos=True)
@@ -467,7 +479,9 @@ def test_api_key_is_needed_everywhere_but_health(tiny_engine):
 # --- the command ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flags", [["--slots", "0"], ["--port", "70000"], ["--max-len", "x"], ["--max-len", "8"],
-                                   ["--shutdown-deadline", "-1"], ["--shutdown-deadline", "inf"]])
+                                   ["--shutdown-deadline", "-1"], ["--shutdown-deadline", "inf"],
+                                   ["--speculative-config", "{"], ["--speculative-config", '{"method": "eagle"}'],
+                                   ["--prefill-chunk", "0"]])
 def test_serve_flags_are_refused_before_loading(monkeypatch, flags):
     monkeypatch.setattr(linnet_jax, "load", lambda *a, **k: pytest.fail("loaded the model"))
     with pytest.raises(SystemExit) as exit:

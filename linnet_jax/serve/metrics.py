@@ -27,6 +27,10 @@ class EngineCollector:
         yield CounterMetricFamily("linnet_jax_generated_tokens", "tokens generated", value=stats["tokens_generated"])
         yield CounterMetricFamily("linnet_jax_requests_finished", "requests finished (cancelled ones included)",
                                   value=stats["requests_finished"])
+        yield CounterMetricFamily("linnet_jax_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
+                                  value=stats["prefix_cache_hit_tokens"])
+        yield CounterMetricFamily("linnet_jax_prefix_cache_lookup_tokens", "prompt tokens looked up in the prefix cache",
+                                  value=stats["prefix_cache_lookup_tokens"])
         compiles = self.engine.compiles_after_warmup
         if compiles is not None:
             yield GaugeMetricFamily("linnet_jax_compiles_after_warmup", "programs compiled after engine.warmup()",
