@@ -122,9 +122,10 @@ def row_cache(cache: KVCache, rows: jax.Array, heads: int) -> jax.Array:
     return (rows[:, None] * heads + jnp.arange(heads)).reshape(-1)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 9, 10), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(1, 9, 10, 11), donate_argnums=(2,))
 def extend(params: Params, config: Config, slots: Slots, rows: jax.Array, tokens: jax.Array, start: jax.Array,
-           count: jax.Array, request: Request, last: jax.Array, constrain=None, plan=None) -> Slots:
+           count: jax.Array, request: Request, last: jax.Array, constrain=None, plan=None, span: int | None = None
+           ) -> Slots:
     """A chunk of a prompt for each of R rows of the state, in one forward.
 
     rows: [R] int32, the state rows (a row ≥ B is padding: it reads zeros and writes nothing); tokens: [R, C],
@@ -132,12 +133,15 @@ def extend(params: Params, config: Config, slots: Slots, rows: jax.Array, tokens
     ([R]); last: [R] bool, the chunk ends the row's prompt: its first token is chosen (with its top logprobs)
     and it runs, else it waits (FREE) for its next chunk. A chunk starting at 0 begins a new prompt; a later one
     continues the row's cache. constrain: forward's sharding constraints; plan: the hardware plan
-    (`linnet_jax.backend.Plan`) the params were made for (`Model.plan`)."""
+    (`linnet_jax.backend.Plan`) the params were made for (`Model.plan`); span: the leading slots of each row the
+    chunks read and write (at least every start + count; None: all), so that a fresh prompt's attention
+    reads its own C slots rather than max_len."""
     TRACES["extend"] += 1
-    max_len, heads = slots.cache.max_len, config.num_kv_heads
+    max_len, heads, span = slots.cache.max_len, config.num_kv_heads, span or slots.cache.max_len
     cache_rows = row_cache(slots.cache, rows, heads)
     take = lambda array, index: jnp.take(array, index, axis=0, mode="fill", fill_value=0)  # noqa: E731
-    cache = jax.tree.map(lambda layer: take(layer, cache_rows), slots.cache)
+    cache = KVCache(k=tuple(take(layer, cache_rows)[:, :span] for layer in slots.cache.k),
+                    v=tuple(take(layer, cache_rows)[:, :, :span] for layer in slots.cache.v))
     columns = jnp.arange(tokens.shape[1])
     valid = columns < count[:, None]
     positions = jnp.where(valid, start[:, None] + columns, -1)
@@ -151,8 +155,9 @@ def extend(params: Params, config: Config, slots: Slots, rows: jax.Array, tokens
     part = choose(part, logits[:, 0], max_len, top=True)
     state = jax.tree.map(lambda whole, new: whole.at[rows].set(new, mode="drop"), slots.replace(cache=None),
                          part.replace(cache=None))
-    return state.replace(cache=jax.tree.map(lambda whole, new: whole.at[cache_rows].set(new, mode="drop"),
-                                            slots.cache, cache))
+    return state.replace(cache=KVCache(
+        k=tuple(whole.at[cache_rows, :span].set(new, mode="drop") for whole, new in zip(slots.cache.k, cache.k)),
+        v=tuple(whole.at[cache_rows, :, :span].set(new, mode="drop") for whole, new in zip(slots.cache.v, cache.v))))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 4, 5, 6, 7), donate_argnums=(2,))

@@ -63,7 +63,8 @@ def extend_rows(model: Model, slots: Slots, rows: list[int], chunks: list[list[i
     """Prompt chunks into rows of the decode state in one `extend` dispatch: chunk i (its tokens at positions
     starts[i] ..) into row rows[i], with its request (one row each); last[i]: it ends its prompt (the row's
     first token is chosen). Padded to `height` rows (padding rows write nothing) and `width` columns; by
-    default the rows given and the bucket of the longest chunk."""
+    default the rows given and the bucket of the longest chunk. Chunks that all begin their prompts read and
+    write only their rows' first `width` slots."""
     height, width = height or len(rows), width or bucket(max(map(len, chunks)), slots.cache.max_len)
     padding = height - len(rows)
     tokens = np.zeros((height, width), np.int32)
@@ -73,7 +74,8 @@ def extend_rows(model: Model, slots: Slots, rows: list[int], chunks: list[list[i
     request = jax.tree.map(lambda *columns: np.concatenate(columns), *requests, *[requests[0]] * padding)
     return extend(model.decode_params, model.config, slots, column(rows, slots.token.shape[0], np.int32), tokens,
                   column(starts, 0, np.int32), column(map(len, chunks), 0, np.int32), request,
-                  column(last, False, bool), model.layout and model.layout.constrain, model.plan)
+                  column(last, False, bool), model.layout and model.layout.constrain, model.plan,
+                  width if not any(starts) else None)
 
 
 # --- prompts --------------------------------------------------------------------------------------------------

@@ -312,9 +312,12 @@ class Engine:
     def _compile_all(self) -> None:
         model, nothing = self.model, self.slots  # a row past the state: writes nothing
         request = sampling_options(model, 1).requests(1)
+        widest = bucket(min(self.prefill_chunk, self.max_len - 1), self.prefill_chunk)
         for rows in self.row_buckets():
-            for width in buckets(self.prefill_chunk):
-                self.state = extend_rows(model, self.state, [nothing], [[0]], [0], [request], [False], rows, width)
+            for width in (width for width in buckets(self.prefill_chunk) if width <= widest):
+                for start in (0, 1):  # a prompt's first chunk (its own slots only), and a later one
+                    self.state = extend_rows(model, self.state, [nothing], [[0]], [start], [request], [False], rows,
+                                             width)
         for top in (False, True):
             self.state, _ = self._decode(top)
             if self.speculative:
