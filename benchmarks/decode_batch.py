@@ -3,7 +3,7 @@
     python benchmarks/decode_batch.py [--batches 1,4,16,64] [--prompt 128] [--new 64]
 
 SmolLM2 float32 (the embedded default model), every row a random prompt of --prompt ids, greedy, no eos.
-Each batch: B prompts prefilled and inserted into a B-slot state of bucket(prompt + new) slots, then one
+Each batch: B prompts prefilled (one `extend`) into a B-slot state of bucket(prompt + new) slots, then one
 `decode` call of new - 1 steps (the loop on the device), timed after a warm-up call on the same shapes.
 Prints a markdown table (the numbers benchmarks/RESULTS.md keeps).
 """
@@ -15,20 +15,17 @@ import numpy as np
 from harness import timed
 
 import linnet_jax
-from linnet_jax.decode import decode, insert, prefill
-from linnet_jax.inputs import bucket, left_pad, make_requests, make_sampling, new_slots, stop_id_array
+from linnet_jax.decode import decode
+from linnet_jax.inputs import bucket, extend_rows, make_requests, make_sampling, new_slots, stop_id_array
 
 
 def filled_state(model, batch: int, prompt: int, new: int, max_len: int):
     """A state whose B rows each hold a random prompt and its first token."""
     rng = np.random.default_rng(batch)
-    slots = new_slots(model, batch, max_len)
     request = make_requests(make_sampling(1, 0.0, 0, 1.0, 0.0, 1.0, 0), stop_id_array(model, None, True), new)
-    for row in range(batch):
-        tokens, positions = left_pad([rng.integers(0, model.config.vocab_size, prompt).tolist()], bucket(prompt))
-        prefix = prefill(model.decode_params, model.config, tokens, positions, request, max_len, plan=model.plan)
-        slots = insert(prefix, slots, row)
-    return slots
+    prompts = [rng.integers(0, model.config.vocab_size, prompt).tolist() for _ in range(batch)]
+    return extend_rows(model, new_slots(model, batch, max_len), list(range(batch)), prompts, [0] * batch,
+                       [request] * batch, [True] * batch)
 
 
 def measure(model, batch: int, prompt: int, new: int) -> dict:

@@ -19,9 +19,8 @@ section), run in the order given, their rows printed as each ends:
   512 random prompt ids (numpy default_rng(0), in [100, vocab)), 128 new tokens, greedy, batch 1.
 - serve: `linnet_jax.serve.Engine(model, slots=64, max_len=640)` in-process: 256 requests of 128-512 random
   ids (lengths and ids from default_rng(0)), 128 new tokens each, eos ignored, at most 64 unfinished at a
-  time (a new one submitted as one finishes). Warm-up first (untimed): one request per prompt bucket the
-  workload uses, twice, so every program it runs is compiled; the row says how many compilations the timed
-  run had (0 expected; JAX's backend-compile events). Generated tok/s = all generated tokens / (first
+  time (a new one submitted as one finishes). Warm-up first (untimed): `engine.warmup()`, which compiles
+  every program the engine runs; the row says how many compilations the timed run had (0 expected; JAX's backend-compile events). Generated tok/s = all generated tokens / (first
   submission to last completion); TTFT = `Handle.submitted` to its first token; TPOT = (latency - TTFT) /
   (tokens - 1).
 - transformers: `AutoModelForCausalLM.from_config` (MistralForCausalLM) in bfloat16 on cuda, sdpa attention,
@@ -235,19 +234,6 @@ def section_batch1(args: argparse.Namespace, protocol: Protocol) -> dict:
     return {**result, "setup_s": setup_s, **jax_device_report(), "notes": notes + result["notes"]}
 
 
-def warm_engine(engine, prompts: list[list[int]], rounds: int = 2) -> int:
-    """Compile what the workload runs: one request per prompt bucket it has, each decoding past one dispatch.
-    Twice: the first insert into the engine's fresh state compiles a program that later inserts (into a state
-    that programs made) cannot use. Returns the number of buckets."""
-    by_bucket = {engine.bucket(len(prompt)): prompt for prompt in prompts}
-    for _ in range(rounds):
-        handles = [engine.submit(tokens=prompt, max_tokens=engine.steps + 1, ignore_eos=True)
-                   for prompt in by_bucket.values()]
-        for handle in handles:
-            handle.result(timeout=DRIVE_TIMEOUT_S)
-    return len(by_bucket)
-
-
 def drive(engine, prompts: list[list[int]], new_tokens: int, in_flight: int) -> tuple[float, list[tuple]]:
     """Submit every prompt (new_tokens each, eos ignored), at most in_flight unfinished at a time.
     Returns (seconds from the first submission to the last completion, [(handle, finished at)])."""
@@ -290,13 +276,13 @@ def section_serve(args: argparse.Namespace, protocol: Protocol) -> dict:
     setup_s, model = linnet_model(protocol)
     prompts, compiles = workload(protocol), compile_counter()
     with Engine(model, slots=protocol.slots, max_len=protocol.max_len) as engine:
-        warm_s, buckets = timed(warm_engine, engine, prompts)
+        warm_s, _ = timed(engine.warmup)
         compiled = compiles()
         wall_s, done = drive(engine, prompts, protocol.new_tokens, protocol.in_flight)
         compiled = compiles() - compiled
     notes = [f"{protocol.requests} requests of {protocol.prompt_range[0]}-{protocol.prompt_range[1]} ids, "
              f"{protocol.new_tokens} new each, <= {protocol.in_flight} unfinished, {protocol.slots} slots of "
-             f"{protocol.max_len}; warm-up ({buckets} prompt buckets) {warm_s:.1f} s; "
+             f"{protocol.max_len}; warm-up (engine.warmup(): every program) {warm_s:.1f} s; "
              f"compilations during the timed run: {compiled}"]
     return {**serving_stats(wall_s, done, protocol.new_tokens), "setup_s": setup_s, "first_call_s": warm_s,
             "notes": notes, **jax_device_report()}

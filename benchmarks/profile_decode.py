@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct float32 (the embedded default), batch 1, a cache of 1024 slots holding a
 512-token prompt (random ids 100..40000, seed 0), greedy, eos ignored. Each variant runs the
-decode core's own programs (`linnet_jax.decode`): `prefill` and `insert`, then `decode` (the
+decode core's own programs (`linnet_jax.decode`): `extend` (the prompt), then `decode` (the
 on-device while_loop) timed over --steps steps, with the weights as the hardware plan
 (`linnet_jax.backend.Plan.unstacked_layers`) gives them: per-layer views (XLA:CPU's choice) or the stacked
 arrays sliced inside the program (GPUs' and TPUs'). The variants are interleaved run by run, and
@@ -29,8 +29,8 @@ import numpy as np
 from harness import median, timed
 
 import linnet_jax
-from linnet_jax.decode import decode, insert, prefill
-from linnet_jax.inputs import left_pad, make_requests, make_sampling, new_slots, stop_id_array
+from linnet_jax.decode import decode, extend
+from linnet_jax.inputs import make_requests, make_sampling, new_slots, stop_id_array
 from linnet_jax.models.params import unstack_layers
 
 PROMPT, CACHE = 512, 1024
@@ -48,10 +48,11 @@ def variants(model):
 def prefilled(model, params, steps):
     """A one-row decode state holding the prompt and its first token."""
     ids = np.random.default_rng(0).integers(100, 40000, PROMPT).tolist()
-    tokens, positions = left_pad([ids], PROMPT)
     request = make_requests(make_sampling(1, 0.0, 0, 1.0, 0.0, 1.0, 0), stop_id_array(model, [], ignore_eos=True),
                             steps + 1)
-    slots = insert(prefill(params, model.config, tokens, positions, request, CACHE), new_slots(model, 1, CACHE), 0)
+    row, one = np.zeros(1, np.int32), np.ones(1, bool)
+    slots = extend(params, model.config, new_slots(model, 1, CACHE), row, np.asarray([ids], np.int32), row,
+                   np.full(1, PROMPT, np.int32), request, one)
     return jax.block_until_ready(slots)
 
 

@@ -1,7 +1,9 @@
 """`lowered`: the StableHLO of every program linnet_jax compiles, lowered for an accelerator from any machine.
 
-The programs are the ones `generate`, `serve.Engine` and a train step compile: `prefill_{T}` and
-`insert_{T}` for each prompt bucket T, `decode`, `free`, and `train_step` (AdamW, full fine-tuning).
+The programs are the ones `generate`, `serve.Engine` and a train step compile: `extend_{C}` (a prompt's
+first chunk of C tokens, reading its own C slots) and `extend_{C}_continued` (a later chunk, reading the
+row's max_len slots) for each chunk bucket C up to the engine's prefill_chunk, `decode`, `verify` (n-gram
+drafts), `free`, and `train_step` (AdamW, full fine-tuning).
 Each takes what it takes on that platform under its hardware plan (`linnet_jax.backend`): on a GPU or
 TPU the stacked `[layers, ...]` weights, sliced inside the program, and XLA's own products. Nothing is
 placed on a device: the arguments are shapes (`jax.ShapeDtypeStruct`) and `Traced.lower` takes the
@@ -14,13 +16,15 @@ import numpy as np
 import optax
 
 from linnet_jax.backend import decode_params, plan_for_platform
-from linnet_jax.decode import decode, empty_slots, free, insert, prefill
+from linnet_jax.decode import decode, empty_slots, extend, free, verify
 from linnet_jax.inputs import MIN_BUCKET, STOP_ID_SLOTS, buckets, make_requests, make_sampling
 from linnet_jax.loaded import Model
 from linnet_jax.train.step import init_state, make_train_step
 
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 DECODE_STEPS = 8  # steps per decode call: `serve.Engine`'s default steps_per_dispatch
+PREFILL_CHUNK = 256  # the widest chunk: `serve.Engine`'s default prefill_chunk
+DRAFTS = 4  # drafts per row a verify call checks: vLLM's usual num_speculative_tokens
 TRAIN_LEARNING_RATE = 1e-4
 
 
@@ -46,13 +50,17 @@ def lowered(model: Model, platform: str, *, batch: int = 1, max_len: int = 1024)
     request = shapes(make_requests(make_sampling(1, 0.0, 0, 1.0, 0.0, 1.0, 0), np.full(STOP_ID_SLOTS, -1, np.int32), 1))
     slots = jax.eval_shape(lambda: empty_slots(config, batch, max_len, STOP_ID_SLOTS, dtype))
     slot = jax.ShapeDtypeStruct((), jnp.int32)
+    row = jax.ShapeDtypeStruct((1,), jnp.int32)
     programs = {}
-    for length in buckets(max_len):
-        tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
-        prefix = jax.eval_shape(lambda: empty_slots(config, 1, length, STOP_ID_SLOTS, dtype))
-        programs[f"prefill_{length}"] = prefill.trace(params, config, tokens, tokens, request, max_len, plan=plan)
-        programs[f"insert_{length}"] = insert.trace(prefix, slots, slot)
+    for width in buckets(min(PREFILL_CHUNK, max_len)):
+        chunk = (params, config, slots, row, jax.ShapeDtypeStruct((1, width), jnp.int32), row, row, request,
+                 jax.ShapeDtypeStruct((1,), jnp.bool_))
+        programs[f"extend_{width}"] = extend.trace(*chunk, plan=plan, span=width)
+        programs[f"extend_{width}_continued"] = extend.trace(*chunk, plan=plan)
     programs["decode"] = decode.trace(params, config, slots, slot, DECODE_STEPS, plan=plan)
+    drafts = jax.ShapeDtypeStruct((batch, DRAFTS), jnp.int32)
+    programs["verify"] = verify.trace(params, config, slots, drafts, jax.ShapeDtypeStruct((batch,), jnp.int32),
+                                      plan=plan)
     programs["free"] = free.trace(slots, slot)
     programs["train_step"] = train_step_traced(model, batch, max_len)
     return {name: traced.lower(lowering_platforms=platforms).as_text() for name, traced in programs.items()}

@@ -11,9 +11,8 @@ from test_generate import agreed_steps, reference_greedy
 import linnet_jax
 from linnet_jax import generate
 from linnet_jax.backend import plan_for_platform
-from linnet_jax.decode import FREE, LENGTH, RUNNING, decode, empty_slots, free, insert, prefill
-from linnet_jax.inputs import (STOP_ID_SLOTS, bucket, left_pad, make_requests, make_sampling, new_slots,
-                               stop_id_array)
+from linnet_jax.decode import FREE, LENGTH, RUNNING, decode, empty_slots, free
+from linnet_jax.inputs import STOP_ID_SLOTS, extend_rows, make_requests, make_sampling, new_slots, stop_id_array
 from linnet_jax.sharding import host
 
 UPDATE_OPS = ("stablehlo.dynamic_update_slice", "stablehlo.scatter")
@@ -39,10 +38,8 @@ class Job:
                         top_k=self.top_k, top_p=self.top_p, seed=[self.seed], ignore_eos=True, return_details=True)[0]
 
 
-def admit(model, slots, slot: int, job: Job, max_len: int):
-    tokens, positions = left_pad([job.prompt], bucket(len(job.prompt)))
-    return insert(prefill(model.decode_params, model.config, tokens, positions, job.request(model), max_len,
-                          plan=model.plan), slots, slot)
+def admit(model, slots, slot: int, job: Job):
+    return extend_rows(model, slots, [slot], [job.prompt], [0], [job.request(model)], [True])
 
 
 def serve(model, jobs: list[Job], rows: int, max_len: int, chunk: int) -> dict[int, tuple[list[int], list[float]]]:
@@ -53,7 +50,7 @@ def serve(model, jobs: list[Job], rows: int, max_len: int, chunk: int) -> dict[i
         for slot in range(rows):
             if owner[slot] is None and queue:
                 owner[slot], job = queue.pop(0)
-                slots = admit(model, slots, slot, job, max_len)
+                slots = admit(model, slots, slot, job)
                 out[owner[slot]] = ([int(slots.token[slot])], [float(slots.logprob[slot])])
         idle = [slot for slot in range(rows) if owner[slot] is None]
         heads = model.config.num_kv_heads
@@ -122,15 +119,16 @@ def test_decode_to_the_last_cache_slot(tiny_dir):
     model = linnet_jax.load(directory, progress=False)
     max_len, prompt = 32, np.random.default_rng(3).integers(3, 256, 10).tolist()
     slots = new_slots(model, 2, max_len)
-    slots = admit(model, slots, 0, Job([4, 5, 6], 13), max_len)  # moves the cursor: the long row will wrap
+    slots = admit(model, slots, 0, Job([4, 5, 6], 13))  # row 0 runs first, row 1 joins later
     slots, _ = decode(model.decode_params, model.config, slots, np.int32(13), 16, plan=model.plan)
-    slots = admit(model, slots, 1, Job(prompt, 100), max_len)
+    slots = admit(model, slots, 1, Job(prompt, 100))
     first = int(slots.token[1])
     slots, emitted = decode(model.decode_params, model.config, slots, np.int32(100), 128, plan=model.plan)
     ours = [first] + host(emitted.tokens)[1, :host(emitted.count)[1]].tolist()
     assert host(slots.finish)[1] == LENGTH and len(prompt) + len(ours) == max_len
-    row = np.sort(host(slots.cache.positions)[1])
-    assert row.tolist() == [-1] + list(range(max_len - 1))  # every slot used once, the last token never written
+    heads = model.config.num_kv_heads
+    written = np.abs(host(slots.cache.k[0])[heads:2 * heads]).sum(axis=-1) > 0  # row 1's slots [G, S]
+    assert written[:, :-1].all() and not written[:, -1].any()  # every slot used once, the last token never written
     theirs, gaps = reference_greedy(reference, prompt, len(ours))
     compared, agree = agreed_steps(ours, theirs, gaps)
     assert agree == compared and compared >= 16
@@ -154,10 +152,13 @@ def test_gpu_tpu_path_makes_no_second_copy_of_the_weights(smollm2):
 
 def test_free_empties_a_slot(tiny_dir):
     model = linnet_jax.load(tiny_dir("llama_mha")[1], progress=False)
-    slots = admit(model, new_slots(model, 2, 32), 1, Job([3, 4, 5], 8), 32)
+    slots = admit(model, new_slots(model, 2, 32), 1, Job([3, 4, 5], 8))
     assert host(slots.finish).tolist() == [FREE, RUNNING]
     slots = free(slots, 1)
-    assert host(slots.finish).tolist() == [FREE, FREE] and (host(slots.cache.positions) == -1).all()
+    assert host(slots.finish).tolist() == [FREE, FREE] and (host(slots.count) == 0).all()
+    before = host(slots.cache.k[0]).copy()
+    slots, emitted = decode(model.decode_params, model.config, slots, np.int32(4), 4, plan=model.plan)
+    assert (host(emitted.count) == 0).all() and np.array_equal(host(slots.cache.k[0]), before)  # nothing runs
 
 
 @pytest.mark.parametrize("bad", [2**63, -(2**63) - 1, 1.5, True, "7"])

@@ -127,8 +127,8 @@ def test_stablehlo_tiny_runs_standalone(tiny_dir, tmp_path):
         (name, w.shape) for name, w in flatten_params(unstack_layers(model.params)).items()]
     assert manifest["weights"]["tensors"][1]["name"] == "layers.0.attn_norm"  # per layer: the unrolled programs
     assert manifest["cache"]["k.1"] == {"shape": [2, 64, 16], "dtype": "float32", "fill": 0.0}
-    assert manifest["cache"]["positions"] == {"shape": [1, 64], "dtype": "int32", "fill": -1}
-    assert manifest["capacity"]["slots_per_row"] == 64 and "must hold position -1" in manifest["capacity"]["rule"]
+    assert sorted(manifest["cache"]) == sorted(f"{kv}.{i}" for kv in "kv" for i in range(3))  # no other state
+    assert manifest["capacity"]["slots_per_row"] == 64 and "written to slot p" in manifest["capacity"]["rule"]
     assert "mesh" not in manifest and "spec" not in manifest["weights"]["tensors"][0]  # unsharded: no mesh
     for name in ("prefill_T16", "prefill_T32", "decode"):
         text = (out / f"{name}.mlir").read_text()
@@ -185,7 +185,6 @@ open("sharded_ids.json", "w").write(json.dumps(ids))
     specs = {t["name"]: t["spec"] for t in manifest["weights"]["tensors"]}
     assert specs["layers.0.wq"] == [None, "tensor", None] and specs["final_norm"] == [None]  # per layer
     assert manifest["cache"]["k.1"]["spec"] == [["data", "fsdp", "tensor"], None, None]
-    assert manifest["cache"]["positions"]["spec"] == [["data", "fsdp"], None]
     assert manifest["prefill"]["32"]["specs"] == {"tokens": [["data", "fsdp"], None],
                                                   "positions": [["data", "fsdp"], None],
                                                   "logits": [["data", "fsdp"], "tensor"]}
@@ -252,9 +251,9 @@ def test_jax_source_refuses_a_module_missing_a_definition(tiny_dir, monkeypatch)
     """A decoder function the list does not name (a new helper, say) is an error naming it, not a broken file."""
     model = linnet_jax.load(tiny_dir("qwen3_qk_norm")[1], progress=False)
     sources = dict(_jax_source.MODEL_SOURCES)
-    sources["linnet_jax.models.decoder"] = [n for n in sources["linnet_jax.models.decoder"] if n != "record_positions"]
+    sources["linnet_jax.models.decoder"] = [n for n in sources["linnet_jax.models.decoder"] if n != "write_slots"]
     monkeypatch.setattr(_jax_source, "MODEL_SOURCES", sources)
-    with pytest.raises(RuntimeError, match=r"uses \['record_positions'\] without defining"):
+    with pytest.raises(RuntimeError, match=r"uses \['write_slots'\] without defining"):
         _jax_source.module_source(model)
     source = "import math\nclass A:\n    x: B = math.pi\ndef f(y=C):\n    return [g(i) for i in y]\n"
     assert _jax_source.undefined_names(source) == {"B", "C", "g"}

@@ -14,8 +14,8 @@ from linnet_jax import export
 from linnet_jax.ops import matvec
 
 MAX_LEN = 64
-PROGRAMS = {"prefill_16", "insert_16", "prefill_32", "insert_32", "prefill_64", "insert_64", "decode", "free",
-            "train_step"}
+PROGRAMS = {"extend_16", "extend_16_continued", "extend_32", "extend_32_continued", "extend_64", "extend_64_continued",
+            "decode", "verify", "free", "train_step"}
 
 
 def main_arguments(text: str) -> list[str]:

@@ -35,9 +35,9 @@ MODEL_SOURCES: dict[str, list[str]] = {
     "linnet_jax.models.params": ["weight", "LayerParams", "Params", "unflatten_params", "unstack_layers",
                                  "layer_slices"],
     "linnet_jax.models.lora": ["Lora", "lora_term"],
-    "linnet_jax.models.decoder": ["KVCache", "init_cache", "project_qkv", "ring_write", "update_cache",
-                                  "record_positions", "advance", "decoder_layer", "forward", "layer_params"],
-    "linnet_jax.inputs": ["MIN_BUCKET", "bucket", "left_pad"],
+    "linnet_jax.models.decoder": ["KVCache", "init_cache", "project_qkv", "write_slots", "update_cache",
+                                  "decoder_layer", "forward", "layer_params"],
+    "linnet_jax.inputs": ["MIN_BUCKET", "bucket"],
 }
 
 IMPORTS = """\
@@ -78,15 +78,14 @@ def _step(params: Params, tokens: jax.Array, positions: jax.Array, cache: KVCach
 def step(params: Params, tokens, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
     """Feed tokens [B, T] at positions [B, T] through the cache: (float32 logits [B, V] of the last, cache).
 
-    A ValueError when an id is outside the vocabulary, or when the T slots at the cache's cursor still hold
-    a token of some row (the cache is full: writing would overwrite it)."""
-    tokens = np.asarray(tokens)
+    A token at position p goes to the cache's slot p and attends to slots 0 .. p (a position of -1 is padding).
+    A ValueError when an id is outside the vocabulary, or a position past the cache's slots (it is full)."""
+    tokens, positions = np.asarray(tokens), np.asarray(positions)
     if tokens.size and not (0 <= tokens.min() and tokens.max() < CONFIG.vocab_size):
         raise ValueError(f"token ids must be in [0, {CONFIG.vocab_size}), got {tokens.min()}..{tokens.max()}")
-    slots = (int(cache.cursor) + np.arange(tokens.shape[1])) % cache.max_len
-    if (np.asarray(cache.positions)[:, slots] >= 0).any():
-        raise ValueError(f"the cache is full: its {cache.max_len} slots per row cannot take {tokens.shape[1]} more "
-                         "tokens (make a larger cache with init_cache)")
+    if positions.size and positions.max() >= cache.max_len:
+        raise ValueError(f"the cache is full: its {cache.max_len} slots per row hold positions 0 .. "
+                         f"{cache.max_len - 1}, got position {positions.max()} (make a larger cache with init_cache)")
     return _step(params, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), cache)
 
 
@@ -104,7 +103,9 @@ def generate(params: Params, token_ids: list[int], max_new_tokens: int, stop_ids
         raise ValueError(f"a prompt of {len(token_ids)} ids plus {max_new_tokens} new tokens does not fit the "
                          f"context of {CONFIG.max_position_embeddings} positions (nor may the prompt be empty)")
     prompt_len = bucket(len(token_ids))
-    tokens, positions = left_pad([token_ids], prompt_len)
+    tokens, positions = np.zeros((1, prompt_len), np.int32), np.full((1, prompt_len), -1, np.int32)
+    tokens[0, prompt_len - len(token_ids):] = token_ids  # left-padded: the logits of the last column are the prompt's
+    positions[0, prompt_len - len(token_ids):] = np.arange(len(token_ids))
     params = unstack_layers(params, views=True)
     need = prompt_len + max_new_tokens
     if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer))

@@ -6,8 +6,8 @@ a loader needs jax (with flatbuffers), numpy and safetensors, not linnet_jax:
     weights  {name: array}, the per-layer names of `models.params.flatten_params` ("embed", "layers.0.wq",
              ..., "layers.29.w_down", "final_norm"): the programs unroll the layers over arrays read
              where they lie, as generate's do on XLA:CPU, and any platform reads per-layer arrays as well
-    cache    {"k.0", ..., "v.0", ..., "positions", "cursor"}, as `init_cache` makes them (manifest: shape,
-             dtype, fill): a ring of max_len slots per row with one write cursor
+    cache    {"k.0", ..., "v.0", ...}, as `init_cache` makes them (manifest: shape, dtype, fill): max_len
+             slots per row, a token written at the slot of its position
     prefill_T{T}: (weights, tokens [B, T] int32, positions [B, T] int32, cache) -> (logits [B, V] float32, cache)
              one per prompt bucket T; left padding has position -1; logits are the last position's
     decode:  (weights, token [B] int32, position [B] int32, cache) -> (logits [B, V] float32, cache)
@@ -105,7 +105,7 @@ def write_programs(model, target: Path, buckets: list[int], batch: int, max_len:
         (target / f"{name}.mlir").write_text(exported.mlir_module())
     write_model_files(target, config, model.tokenizer)
     shutil.copyfile(Path(__file__).with_name("stablehlo_loader.py"), target / LOADER)
-    contents = manifest(model, weights, cache, buckets, exported.platforms)
+    contents = manifest(model, weights, cache, buckets, exported.platforms, batch, max_len)
     if placed is not None:
         add_sharding(contents, layout, placed, specs)
     write_json(target / MANIFEST, contents)
@@ -220,9 +220,8 @@ def decode_step(config: Config, weights: dict, token: jax.Array, position: jax.A
 
 
 def manifest(model, weights: dict[str, np.ndarray], cache: dict[str, jax.ShapeDtypeStruct], buckets: list[int],
-             platforms) -> dict:
+             platforms, batch: int, max_len: int) -> dict:
     """What a loader needs: the files, the weights in order, the cache, sizes, config and special ids."""
-    batch, max_len = cache["positions"].shape
     return {
         "format": "linnet_jax.stablehlo",
         "jax_version": jax.__version__,
@@ -236,8 +235,8 @@ def manifest(model, weights: dict[str, np.ndarray], cache: dict[str, jax.ShapeDt
             {"name": name, "shape": list(array.shape), "dtype": str(array.dtype)} for name, array in weights.items()]},
         "cache": cache_manifest(model.config, cache),
         "capacity": {"slots_per_row": max_len, "rule": (
-            f"each row holds at most {max_len} tokens: a call writes its T tokens to the T slots at 'cursor' "
-            f"(mod {max_len}) of every row, and those slots must hold position -1 (empty) before it")},
+            f"each row holds positions 0 .. {max_len - 1}: a token at position p is written to slot p (a position "
+            f"of -1 writes nothing), and attends to slots 0 .. p, which must hold the row's earlier tokens")},
         "config": model.config.to_hf(),
         "generation_config": generation_config(model.config, model.tokenizer),
     }

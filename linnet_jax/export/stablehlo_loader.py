@@ -56,15 +56,9 @@ class Export:
             weights, jax.device_put(tokens, inputs), jax.device_put(positions, inputs), cache)
 
     def empty_cache(self) -> dict:
-        """The cache as init_cache makes it: every slot empty (position -1), the cursor at 0."""
+        """The cache as init_cache makes it (zeros: a slot is read only once its position is written)."""
         return {name: jnp.full(c["shape"], c["fill"], c["dtype"], device=self.place(c.get("spec")))
                 for name, c in self.manifest["cache"].items()}
-
-    def check_room(self, cache: dict, count: int) -> None:
-        """The manifest's capacity rule, before a call writes count tokens: never overwrite a token."""
-        slots = (int(cache["cursor"]) + np.arange(count)) % self.manifest["max_len"]
-        if (np.asarray(cache["positions"])[:, slots] >= 0).any():
-            raise ValueError(f"the cache is full: {self.manifest['capacity']['rule']}")
 
     def start(self, ids: list[int], max_new_tokens: int = 1) -> tuple[jax.Array, dict]:
         """Prefill one prompt (a list of ids) in every row: (its last position's logits [B, V], the cache).
@@ -81,7 +75,6 @@ class Export:
         logits, cache = self.start(ids, max_new_tokens)
         rows, steps = self.manifest["batch"], [np.asarray(logits[0])]
         for position in range(len(ids), len(ids) + max_new_tokens - 1):
-            self.check_room(cache, 1)
             token = np.full((rows,), steps[-1].argmax(), np.int32)
             logits, cache = self.decode(self.weights, token, np.full((rows,), position, np.int32), cache)
             steps.append(np.asarray(logits[0]))

@@ -242,14 +242,6 @@ class Engine:
     def slots(self) -> int:
         return len(self.owners)
 
-    def buckets(self) -> list[int]:
-        """The prefill lengths: powers of two from 16 below max_len, and max_len itself."""
-        return buckets(self.max_len)
-
-    def bucket(self, length: int) -> int:
-        """The prefill length of a prompt of `length` tokens."""
-        return bucket(length, self.max_len)
-
     def submit(self, prompt=None, *, tokens=None, max_tokens: int | None = None, temperature=0.0, top_k=0, top_p=1.0,
                min_p=0.0, repetition_penalty=1.0, seed: int | None = None, choice: int = 0, stop=None,
                stop_token_ids=None, ignore_eos: bool = False, chat: bool | None = None, top_logprobs: int = 0) -> Handle:
