@@ -27,6 +27,8 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from linnet_jax._version import __version__
+from linnet_jax.inputs import make_prompts
+from linnet_jax.score import prompt_logprobs
 from linnet_jax.serve.engine import Engine, Handle, Piece, QueueFull
 from linnet_jax.serve.errors import (BAD_INPUT, APIError, ASCIIJSONResponse, BearerAuth, error_response,
                                      request_error, validation_error)
@@ -54,6 +56,23 @@ def completion_prompts(prompt) -> list[dict]:
     if empty := next((i for i, ids in enumerate(prompt) if not ids), None):
         raise APIError(400, f"prompt[{empty}] is an empty list of ids", "prompt")
     return [{"tokens": ids} for ids in prompt]
+
+
+def echo_prompts(model, prompts: list[dict], top: int, logprobs: bool) -> list[Output]:
+    """Each prompt as `echo` shows it: its ids and text, and (logprobs) each token's logprob given those before
+    it with its `top` most likely alternatives (the first token's are placeholders: nothing comes before it).
+    CPU and device work: run it off the event loop."""
+    echoes = []
+    for prompt in prompts:
+        try:
+            ids = make_prompts(model, prompt.get("prompt"), prompt.get("tokens"), prompt.get("chat")).prompts[0]
+        except BAD_INPUT as error:
+            raise request_error(error, "prompt") from error
+        text = prompt.get("prompt") if "prompt" in prompt else (model.tokenizer.decode(ids) if model.tokenizer else "")
+        scores, alternatives = prompt_logprobs(model, ids) if logprobs else ([0.0] * (len(ids) - 1), [[]] * len(ids))
+        echoes.append(Output(text=text, tokens=ids, logprobs=[0.0, *scores],
+                             top_logprobs=[[], *(pairs[:top] for pairs in alternatives)] if top else []))
+    return echoes
 
 
 def submit_all(engine: Engine, prompts: list[dict], n: int, options: dict, prompt_field: str) -> list[Handle]:
@@ -206,7 +225,26 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         shape = Completions(model_name, tokenizer, body.logprobs is not None)
-        return await respond(request, body, shape, completion_prompts(body.prompt), body.logprobs or 0, "prompt")
+        prompts, top = completion_prompts(body.prompt), body.logprobs or 0
+        if not body.echo:
+            if body.max_tokens == 0:
+                raise APIError(400, "max_tokens must be at least 1 (0 scores the prompt, with echo: true)", "max_tokens")
+            return await respond(request, body, shape, prompts, top, "prompt")
+        if body.stream:
+            raise APIError(400, "echo is not supported with stream: true", "echo")
+        echoes = await asyncio.to_thread(echo_prompts, engine.model, prompts, top, body.logprobs is not None)
+        n = body.n or 1
+        if body.max_tokens == 0:
+            check_model(body.model)
+            if refused := refused_field(body):
+                raise APIError(400, f"{refused} is not supported by this server", refused, "unsupported_field")
+            choices = [shape.choice(i, Output(), "length") for i in range(len(prompts) * n)]
+            tokens = sum(len(echo.tokens) for echo in echoes)
+            response = shape.response(choices, {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens})
+        else:
+            response = await respond(request, body, shape, prompts, top, "prompt")
+        response["choices"] = [shape.echoed(choice, echoes[i // n]) for i, choice in enumerate(response["choices"])]
+        return response
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):

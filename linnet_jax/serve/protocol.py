@@ -22,7 +22,7 @@ from linnet_jax.serve.engine import Handle, Piece
 REFUSED = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},), "suffix": ("",),
-    "best_of": (1,), "echo": (False,),
+    "best_of": (1,),
 }
 # OpenAI's finish_reason for each of the engine's stop reasons.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
@@ -64,6 +64,8 @@ class CompletionRequest(Sampling):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
+    echo: bool | None = None
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, score the prompt only
 
 
 class ContentPart(Strict):
@@ -198,6 +200,20 @@ class Completions(Shape):
         top = [{self.token_text(t): lp for t, lp in pairs} if pairs else None for pairs in output.top_logprobs]
         return {"tokens": texts, "token_logprobs": output.logprobs, "top_logprobs": top or [None] * len(texts),
                 "text_offset": starts}
+
+    def echoed(self, choice: dict, prompt: "Output") -> dict:
+        """A choice with its prompt before it (`echo`): the prompt's text, and its tokens' logprobs, the first
+        token's null (nothing comes before it)."""
+        logprobs = choice["logprobs"]
+        if logprobs is not None:
+            before = self.choice_logprobs(prompt, 0)
+            before["token_logprobs"][0] = before["top_logprobs"][0] = None
+            offset = len(prompt.text)
+            logprobs = {"tokens": before["tokens"] + logprobs["tokens"],
+                        "token_logprobs": before["token_logprobs"] + logprobs["token_logprobs"],
+                        "top_logprobs": before["top_logprobs"] + logprobs["top_logprobs"],
+                        "text_offset": before["text_offset"] + [offset + o for o in logprobs["text_offset"]]}
+        return choice | {"text": prompt.text + choice["text"], "logprobs": logprobs}
 
     def delta(self, index: int, piece: Output, first: bool, offset: int) -> dict:
         return self.choice(index, piece, None, offset)
