@@ -98,9 +98,21 @@ def test_prefix_cache_hostile_cases(model):
         assert_same([first] + [h.result(timeout=300) for h in rest], expected)
         assert engine.stats()["prefix_cache_hit_tokens"] == 32 + 32 + 48
     two_blocks = 2 * block_bytes(model.config, 16, model.params.embed.dtype) / GIB
-    many = shared_prefix_requests(model.config.vocab_size, 16)
+    other = rng.integers(3, 256, 32).tolist()
+    requests = [dict(tokens=base[:32] + [5, 6], max_tokens=5),  # fills the cache (2 blocks)
+                dict(tokens=base[:32] + [7, 8], max_tokens=5),  # hits both blocks ...
+                dict(tokens=other + [9], max_tokens=5),  # ... while this one evicts them
+                dict(tokens=base[:32] + [10], max_tokens=5, temperature=1.0, seed=8)]  # evicted: a miss
+    expected = [alone(model, r) for r in requests]
+    with Engine(model, slots=2, max_len=128, prefix_block=16, prefix_cache_gb=two_blocks) as engine:
+        assert engine.prefixes.capacity == 2
+        got = [engine.submit(**requests[0]).result(timeout=300)]
+        got += [h.result(timeout=300) for h in [engine.submit(**r) for r in requests[1:3]]]
+        got.append(engine.submit(**requests[3]).result(timeout=300))
+        assert_same(got, expected)
+        assert engine.stats()["prefix_cache_hit_tokens"] == 32
+    many = shared_prefix_requests(model.config.vocab_size, 16)  # 16 at once through a cache of 2 blocks
     results, engine = served(model, many, prefix_block=16, prefix_cache_gb=two_blocks)
-    assert engine.prefixes.capacity == 2 and engine.stats()["prefix_cache_hit_tokens"] > 0
     assert_same(results, [alone(model, r) for r in many])
 
 
