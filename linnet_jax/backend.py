@@ -1,7 +1,7 @@
 """The one plan for hardware-specific choices, made from the devices.
 
-A `Plan` is hashable: `Model.plan` holds it and the cached programs (`forward`, `decode.prefill`,
-`decode.decode`) take it as a static argument. Nothing else in linnet_jax reads the platform.
+A `Plan` is hashable: `Model.plan` holds it and the cached programs (`forward`, `decode.extend`,
+`decode.decode`, `decode.verify`) take it as a static argument. Nothing else in linnet_jax reads the platform.
 
 - `unstacked_layers`: the decode programs take per-layer weights (`Params.layers` a tuple), else the
   stacked `[L, ...]` ones. XLA:CPU copies a layer's slice of a stacked weight before each product,

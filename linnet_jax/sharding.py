@@ -1,7 +1,7 @@
 """Sharding: logical axis names on every array, a rules table from them to mesh axes, placement.
 
-Every weight (`models.params.param_axes`), cache array (`cache_axes`) and block-boundary activation
-(`models.decoder.ACTIVATION_AXES`) names its axes with logical names: vocab, embed, heads,
+Every weight (`models.params.param_axes`), cache array (`Layout.cache_shardings`) and block-boundary
+activation (`models.decoder.forward`'s constraints) names its axes with logical names: vocab, embed, heads,
 kv_heads, head_dim, mlp, layers, batch, seq, cache_seq. `Rules` maps them to the mesh axes
 `data`, `fsdp` and `tensor` (a mesh may have any subset of them):
 

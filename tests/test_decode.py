@@ -137,6 +137,31 @@ def test_decode_to_the_last_cache_slot(tiny_dir):
     assert alone.tokens == ours and alone.stop_reason == "length"
 
 
+
+def test_a_row_reused_by_a_shorter_request_never_reads_the_longer_ones_slots(tiny_dir):
+    """Slot p holds position p and nothing is cleared: a row that held a 49-position request, freed, takes a
+    3-id prompt (beside a 12-id one in another row, one extend); the slots past the new request's length still
+    hold the old keys, and both requests give exactly what generate gives each alone."""
+    model = linnet_jax.load(tiny_dir("llama_gqa_llama3")[1], progress=False)
+    rng, heads = np.random.default_rng(11), model.config.num_kv_heads
+    long, short, other = (Job(rng.integers(3, 256, n).tolist(), new, temperature=t, seed=s)
+                          for n, new, t, s in ((30, 20, 0.0, 0), (3, 8, 0.9, 5), (12, 10, 0.0, 0)))
+    slots = admit(model, new_slots(model, 2, 64), 0, long)
+    slots, _ = decode(model.decode_params, model.config, slots, np.int32(32), 32, plan=model.plan)
+    assert host(slots.finish)[0] == LENGTH and host(slots.length)[0] == 50
+    slots = free(slots, 0)
+    stale = host(slots.cache.k[0])[:heads].copy()  # row 0: positions 0 .. 48 of the long request
+    slots = extend_rows(model, slots, [0, 1], [short.prompt, other.prompt], [0, 0],
+                        [short.request(model), other.request(model)], [True, True])
+    firsts = host(slots.token).tolist()
+    slots, emitted = decode(model.decode_params, model.config, slots, np.int32(32), 32, plan=model.plan)
+    for row, job in enumerate((short, other)):
+        tokens = [firsts[row]] + host(emitted.tokens)[row, :host(emitted.count)[row]].tolist()
+        assert tokens == job.alone(model).tokens, (row, job)
+    row0 = host(slots.cache.k[0])[:heads]
+    assert not np.array_equal(row0[:, :10], stale[:, :10])  # the short request's 10 positions, written again
+    assert np.array_equal(row0[:, 10:49], stale[:, 10:49])  # the rest left as it was: masked, never read
+
 def test_gpu_tpu_path_makes_no_second_copy_of_the_weights(smollm2):
     model = dataclasses.replace(smollm2)  # a fresh Model, its plan (a cached property) preset to a GPU's
     model.__dict__["plan"] = plan_for_platform("cuda")

@@ -160,6 +160,14 @@ def test_stablehlo_batch_of_two_different_prompts(tiny_dir, tmp_path):
         full = np.asarray(linnet_jax.logits(model, [prompt + [int(step[row])]]))[0]
         assert np.abs(np.asarray(logits[row]) - full[-2]).max() < 1e-5
         assert np.abs(np.asarray(decoded[row]) - full[-1]).max() < 1e-5
+    # slot p holds position p: a position past the 64 slots is refused before the call, not dropped silently
+    with pytest.raises(ValueError, match="the cache is full: its 64 slots per row hold positions 0 .. 63, got "
+                                         "position 64"):
+        exported.decode(exported.weights, step, np.asarray([63, 64], np.int32), exported.empty_cache())
+    assert exported.start(TINY_PROMPT, 64 - len(TINY_PROMPT))[0].shape == (2, model.config.vocab_size)  # just fits
+    for ids, new in ((TINY_PROMPT, 65 - len(TINY_PROMPT)), ([], 1), (list(range(33)), 1)):
+        with pytest.raises(ValueError, match="do not fit the exported cache"):
+            exported.start(ids, new)
 
 
 def test_stablehlo_sharded_export_reloads_on_a_mesh(shardable_dir, tmp_path):
@@ -239,7 +247,7 @@ def test_jax_source_generate_stops_and_takes_a_cache_size(tiny_dir, tmp_path):
     params = module.load_weights()
     full = module.generate(params, TINY_PROMPT, TINY_NEW, stop_ids=())
     assert full == linnet_jax.generate(model, tokens=[TINY_PROMPT], max_new_tokens=TINY_NEW, ignore_eos=True)[0]
-    exact = module.bucket(len(TINY_PROMPT)) + TINY_NEW
+    exact = len(TINY_PROMPT) + TINY_NEW  # slot p holds position p: the prompt's padding takes no slot
     assert module.generate(params, TINY_PROMPT, TINY_NEW, stop_ids=(), max_len=exact) == full
     stop = full[3]
     assert module.generate(params, TINY_PROMPT, TINY_NEW, stop_ids=(stop,)) == full[:full.index(stop)]

@@ -51,6 +51,10 @@ def test_every_program_lowers_for_the_accelerator_with_stacked_weights(tiny_mode
     assert set(weight_types(tiny_model, stacked=True)) <= set(decode)  # the [layers, ...] weights themselves
     assert not set(weight_types(tiny_model, stacked=False)) & set(decode)  # no per-layer copies
     assert sum(arg.startswith(f"tensor<{layers}x") for arg in decode) >= 9  # every layer weight, stacked
+    for width in (16, 32, 64):  # a chunk of `width` tokens into one row of the state, fresh or continued
+        for name in (f"extend_{width}", f"extend_{width}_continued"):
+            assert f"tensor<1x{width}xi32>" in main_arguments(programs[name]), name
+    assert "tensor<2x4xi32>" in main_arguments(programs["verify"])  # 4 drafts per row
     train = main_arguments(programs["train_step"])
     assert set(weight_types(tiny_model, stacked=True)) <= set(train)
     assert f"tensor<2x{MAX_LEN}xi32>" in train  # the batch

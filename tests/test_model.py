@@ -91,6 +91,27 @@ def test_cached_decode_equals_full_forward(name, tiny_dir):
     assert diff < CACHE_BOUND_TINY
 
 
+
+def test_each_token_goes_to_the_slot_of_its_position(tiny_dir):
+    """One cached call, two rows: row 0 at positions 0..7; row 1 its positions out of order between padding
+    (-1). Padding writes no slot, every token lands at its position's slot, and each token's logits are those
+    of the row's tokens ordered by position (a full forward without a cache)."""
+    import jax
+
+    model = linnet_jax.load(tiny_dir("llama_gqa_llama3")[1], progress=False)
+    ids = random_ids(model.config.vocab_size, (2, 8), seed=5)
+    positions = np.array([np.arange(8), [3, -1, 0, -1, 1, 2, -1, -1]])
+    out, cache = jax.jit(forward, static_argnums=1)(model.params, model.config, jnp.asarray(ids), positions,
+                                                    init_cache(model.config, 2, 16))
+    heads = model.config.num_kv_heads
+    written = (np.abs(np.asarray(cache.k[0])).sum(axis=-1) > 0).reshape(2, heads, 16)  # [B, G, S]
+    assert written[0, :, :8].all() and not written[0, :, 8:].any()
+    assert written[1, :, :4].all() and not written[1, :, 4:].any()  # 4 tokens, positions 0..3; padding nowhere
+    columns = [int(np.flatnonzero(positions[1] == p)[0]) for p in range(4)]
+    ordered = np.asarray(linnet_jax.logits(model, ids[1:, columns]))[0]  # [4, V]
+    assert np.abs(np.asarray(out)[1, columns] - ordered).max() < CACHE_BOUND_TINY
+    assert np.abs(np.asarray(out)[0] - np.asarray(linnet_jax.logits(model, ids[:1]))[0]).max() < CACHE_BOUND_TINY
+
 def test_smollm2_parity(smollm2, smollm2_reference):
     ids = random_ids(smollm2.config.vocab_size, (1, 300), seed=2)
     expected = reference_logits(smollm2_reference, ids)

@@ -31,8 +31,9 @@ def test_per_layer_weights_equal_stacked(name, tiny_dir):
     model = linnet_jax.load(directory, progress=False)
     unrolled = unstack_layers(model.params)
     assert len(unrolled.layers) == model.config.num_layers
-    ids = np.random.default_rng(4).integers(0, model.config.vocab_size, (2, 40))
-    positions = np.stack([np.arange(40), np.r_[[-1] * 8, np.arange(32)]])  # the second row left-padded
+    ids = np.random.default_rng(4).integers(0, model.config.vocab_size, (3, 40))
+    # a full row, a shorter one right-padded (its decode steps past 32 are padding), one left-padded
+    positions = np.stack([np.arange(40), np.r_[np.arange(32), [-1] * 8], np.r_[[-1] * 8, np.arange(32)]])
     full = jax.jit(forward, static_argnums=1)
     assert np.abs(np.asarray(full(unrolled, model.config, ids, positions)[0])
                   - np.asarray(full(model.params, model.config, ids, positions)[0])).max() < 1e-5

@@ -92,7 +92,8 @@ def step(params: Params, tokens, positions, cache: KVCache) -> tuple[jax.Array, 
 def generate(params: Params, token_ids: list[int], max_new_tokens: int, stop_ids=EOS_TOKEN_IDS,
              max_len: int | None = None) -> list[int]:
     """Greedy continuation of one prompt: up to max_new_tokens new ids, ending before the first stop id.
-    max_len: the cache's slots (at least the bucketed prompt plus max_new_tokens); default a bucket that fits.
+    max_len: the cache's slots (at least the prompt plus max_new_tokens: slot p holds position p); default a bucket
+    that fits.
 
     The layers run unrolled over per-layer weights (`unstack_layers`), as linnet_jax decodes on XLA:CPU, and
     the tokens after the first come from one loop on the device (`_greedy`), as linnet_jax's `generate`.
@@ -105,14 +106,15 @@ def generate(params: Params, token_ids: list[int], max_new_tokens: int, stop_ids
     prompt_len = bucket(len(token_ids))
     tokens, positions = np.zeros((1, prompt_len), np.int32), np.full((1, prompt_len), -1, np.int32)
     tokens[0, prompt_len - len(token_ids):] = token_ids  # left-padded: the logits of the last column are the prompt's
-    positions[0, prompt_len - len(token_ids):] = np.arange(len(token_ids))
+    positions[0, prompt_len - len(token_ids):] = np.arange(len(token_ids))  # padding at -1 is written nowhere
     params = unstack_layers(params, views=True)
-    need = prompt_len + max_new_tokens
+    need = len(token_ids) + max_new_tokens
     if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer))
                                 or max_len < need):
-        raise ValueError(f"max_len must be an int of at least {need} (the prompt's bucket of {prompt_len} plus "
+        raise ValueError(f"max_len must be an int of at least {need} (the prompt's {len(token_ids)} ids plus "
                          f"{max_new_tokens} new tokens), got {max_len!r}")
-    cache = init_cache(CONFIG, 1, bucket(need) if max_len is None else int(max_len), params.embed.dtype)
+    cache = init_cache(CONFIG, 1, bucket(prompt_len + max_new_tokens) if max_len is None else int(max_len),
+                       params.embed.dtype)
     logits, cache = step(params, tokens, positions, cache)
     new = [int(jnp.argmax(logits[0]))]
     if max_new_tokens > 1 and new[-1] not in stop_ids:

@@ -11,8 +11,10 @@
 
 Shapes (B = the manifest's batch, T = a prompt bucket, V = vocab): the prefill program of bucket T takes
 (weights, tokens [B, T], positions [B, T], cache) and the decode program (weights, token [B], position [B],
-cache); both return (float32 last-position logits [B, V], cache), the cache donated. A sharded export
-(the manifest has "mesh") is run on a mesh of its shape, every argument placed by its PartitionSpec.
+cache); both return (float32 last-position logits [B, V], cache), the cache donated. The cache holds max_len
+slots per row: a token at position p is written to slot p and attends to slots 0 .. p (position -1 is padding,
+written nowhere), so `prefill` and `decode` refuse a position of max_len or more (a ValueError). A sharded
+export (the manifest has "mesh") is run on a mesh of its shape, every argument placed by its PartitionSpec.
 """
 
 import json
@@ -49,11 +51,23 @@ class Export:
 
     def program(self, files: dict):
         """(weights, tokens, positions, cache) -> (logits, cache): a deserialized program, jitted, its cache
-        argument donated, its tokens and positions placed as the program takes them."""
+        argument donated, its tokens and positions placed as the program takes them. A ValueError, before the
+        call, for a position past the cache's slots (the program would drop its token: a silent wrong answer)."""
         call = jax.jit(self.deserialized(files).call, donate_argnums=3)
         inputs = self.place(files.get("specs", {}).get("tokens"))
-        return lambda weights, tokens, positions, cache: call(
-            weights, jax.device_put(tokens, inputs), jax.device_put(positions, inputs), cache)
+
+        def run(weights, tokens, positions, cache):
+            self.check_positions(positions)
+            return call(weights, jax.device_put(tokens, inputs), jax.device_put(positions, inputs), cache)
+
+        return run
+
+    def check_positions(self, positions) -> None:
+        """The manifest's capacity rule: every position below max_len (slot p holds position p)."""
+        positions, max_len = np.asarray(positions), self.manifest["max_len"]
+        if positions.size and positions.max() >= max_len:
+            raise ValueError(f"the cache is full: its {max_len} slots per row hold positions 0 .. {max_len - 1}, "
+                             f"got position {positions.max()} ({self.manifest['capacity']['rule']})")
 
     def empty_cache(self) -> dict:
         """The cache as init_cache makes it (zeros: a slot is read only once its position is written)."""
@@ -62,11 +76,15 @@ class Export:
 
     def start(self, ids: list[int], max_new_tokens: int = 1) -> tuple[jax.Array, dict]:
         """Prefill one prompt (a list of ids) in every row: (its last position's logits [B, V], the cache).
-        A ValueError if the prompt and max_new_tokens do not fit the exported cache."""
+        A ValueError if the prompt has no bucket, or the prompt and max_new_tokens pass the exported cache's
+        max_len positions."""
         t = min((t for t in self.prefill if t >= len(ids)), default=None)  # the prompt's bucket
-        if t is None or t + max_new_tokens > self.manifest["max_len"]:
-            raise ValueError(f"{len(ids)} prompt ids and {max_new_tokens} new tokens do not fit the exported cache")
-        tokens, positions = left_padded(ids, t, self.manifest["batch"])  # into an empty cache: room for t + new
+        max_len, largest = self.manifest["max_len"], max(self.prefill)
+        if not ids or t is None or len(ids) + max_new_tokens > max_len:
+            raise ValueError(f"{len(ids)} prompt ids and {max_new_tokens} new tokens do not fit the exported cache: "
+                             f"a prompt of 1 .. {largest} ids (the largest bucket), prompt plus new tokens at most "
+                             f"{max_len} positions")
+        tokens, positions = left_padded(ids, t, self.manifest["batch"])  # positions 0 .. len(ids) - 1, padding -1
         return self.prefill[t](self.weights, tokens, positions, self.empty_cache())
 
     def greedy(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], np.ndarray]:
