@@ -9,7 +9,7 @@ import httpx
 import jax
 import numpy as np
 import pytest
-from test_serve import MODEL, serving, tiny_chat, tiny_chat_dir  # noqa: F401 (fixtures)
+from test_serve import MODEL, WORDS, serving, tiny_chat, tiny_chat_dir  # noqa: F401 (fixtures)
 
 import linnet_jax
 from linnet_jax import generate
@@ -21,7 +21,8 @@ QUESTIONS = [
     {"question": "A cat ran over the", "choices": [" hills", " quiet sea", " bread"], "answer": 0},
 ]
 TEXTS = [{"text": "the sea a cat ran over blue hills while seven quiet birds sang"},
-         {"text": "of rain and bread, and the cat ran."}]
+         {"text": "of rain and bread, and the cat ran. " * 6}]
+MAX_LENGTH = 32  # lm-eval's max_length: its requests hold at most 31 prompt ids
 TASKS = {
     "linnet_choice": dict(output_type="multiple_choice", doc_to_text="{{question}}", doc_to_choice="{{choices}}",
                           doc_to_target="{{answer}}", metric_list=[{"metric": "acc"}], data="choice.jsonl"),
@@ -45,29 +46,89 @@ def direct_logprobs(model, ids: list[int]) -> np.ndarray:
     return logprobs[np.arange(len(ids) - 1), ids[1:]]
 
 
+def completion(url: str, **body) -> dict:
+    response = httpx.post(f"{url}/v1/completions", json={"model": MODEL} | body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
 def test_echo_returns_prompt_logprobs_in_openai_shape(tiny_chat, url):  # noqa: F811
-    ids = tiny_chat.tokenizer.encode("the sea a cat ran over blue hills", add_special_tokens=False)
+    tokenizer = tiny_chat.tokenizer
+    ids = tokenizer.encode("the sea a cat ran over blue hills", add_special_tokens=False)
     expected = direct_logprobs(tiny_chat, ids)
-    body = {"model": MODEL, "prompt": ids, "echo": True, "logprobs": 2, "max_tokens": 0}
-    choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
-    logprobs = choice["logprobs"]
-    assert choice["text"] == tiny_chat.tokenizer.decode(ids) and choice["finish_reason"] == "length"
+    answer = completion(url, prompt=ids, echo=True, logprobs=2, max_tokens=0)
+    choice, logprobs = answer["choices"][0], answer["choices"][0]["logprobs"]
+    assert choice["text"] == tokenizer.decode(ids) and choice["finish_reason"] == "length"
+    assert answer["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
     assert np.abs(np.array(logprobs["token_logprobs"][1:]) - expected).max() < 1e-4
-    assert all(len(top) <= 2 and max(top.values()) >= lp - 1e-6
-               for top, lp in zip(logprobs["top_logprobs"][1:], logprobs["token_logprobs"][1:]))
-    assert len(logprobs["tokens"]) == len(ids) == len(logprobs["text_offset"])
-    greedy = generate(tiny_chat, tokens=[ids], max_new_tokens=3)[0]
-    body |= {"max_tokens": 3, "temperature": 0}
-    choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
-    assert len(choice["logprobs"]["tokens"]) == len(ids) + 3
-    assert choice["text"] == tiny_chat.tokenizer.decode(ids) + tiny_chat.tokenizer.decode(greedy)
-    text = httpx.post(f"{url}/v1/completions", json={"prompt": "the sea", "echo": True, "max_tokens": 2}).json()
-    assert text["choices"][0]["text"].startswith("the sea") and text["choices"][0]["logprobs"] is None
-    for bad, field in (({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-                       ({"prompt": "x", "echo": True, "stream": True}, "echo")):
-        response = httpx.post(f"{url}/v1/completions", json=bad)
-        assert response.status_code == 400 and response.json()["error"]["param"] == field
+    assert logprobs["tokens"] == [tokenizer.decode([t]) for t in ids]
+    assert logprobs["text_offset"] == [len(tokenizer.decode(ids[:i])) for i in range(len(ids))]
+    for top, token, logprob in zip(logprobs["top_logprobs"][1:], logprobs["tokens"][1:], logprobs["token_logprobs"][1:]):
+        assert len(top) == 2 and max(top.values()) >= logprob - 1e-6
+        assert top.get(token, logprob) == logprob  # the chosen token, when among the most likely, has its logprob
+
+    greedy = generate(tiny_chat, tokens=[ids], max_new_tokens=3, ignore_eos=True, return_details=True)[0]
+    choice = completion(url, prompt=ids, echo=True, logprobs=2, max_tokens=3, temperature=0,
+                        ignore_eos=True)["choices"][0]
+    assert choice["text"] == tokenizer.decode(ids) + greedy.text
+    assert len(choice["logprobs"]["tokens"]) == len(ids) + 3 and choice["logprobs"]["token_logprobs"][0] is None
+    assert np.abs(np.array(choice["logprobs"]["token_logprobs"][len(ids):]) - greedy.logprobs).max() < 1e-4
+    assert choice["logprobs"]["text_offset"][len(ids)] == len(tokenizer.decode(ids))
+    # lm-eval's multiple-choice request: a text prompt, echoed as sent, then one generated token
+    choice = completion(url, prompt="the sea a cat", echo=True, logprobs=1, max_tokens=1, temperature=0)["choices"][0]
+    assert choice["text"].startswith("the sea a cat")
+    assert len(choice["logprobs"]["tokens"]) == len(tokenizer.encode("the sea a cat", add_special_tokens=False)) + 1
+    plain = completion(url, prompt="the sea", echo=True, max_tokens=2)["choices"][0]
+    assert plain["text"].startswith("the sea") and plain["logprobs"] is None
+
+
+def test_echo_scores_a_batch_of_prompts_of_many_lengths(tiny_chat, url):  # noqa: F811
+    rows = [tiny_chat.tokenizer.encode(" ".join(WORDS[:k]), add_special_tokens=False) for k in (1, 3, 11, 40, 7)]
+    answer = completion(url, prompt=rows, echo=True, logprobs=0, max_tokens=0, n=2)
+    assert [c["index"] for c in answer["choices"]] == list(range(2 * len(rows)))
+    for i, choice in enumerate(answer["choices"]):
+        ids = rows[i // 2]
+        assert choice["logprobs"]["token_logprobs"][0] is None and len(choice["logprobs"]["tokens"]) == len(ids)
+        if len(ids) > 1:
+            got = np.array(choice["logprobs"]["token_logprobs"][1:])
+            assert np.abs(got - direct_logprobs(tiny_chat, ids)).max() < 1e-4
+    assert answer["usage"]["prompt_tokens"] == sum(map(len, rows))
+
+
+def test_a_generation_ended_by_a_stop_id_keeps_its_entry(tiny_chat, url):  # noqa: F811
+    """As vLLM: the stop id's entry comes last, so lm-eval's prompt + 1 entries hold even when the greedy next
+    token ends the generation (lm-eval drops the last entry)."""
+    ids = tiny_chat.tokenizer.encode("seven quiet birds sang of", add_special_tokens=False)
+    after = np.asarray(jax.nn.log_softmax(linnet_jax.logits(tiny_chat, [ids])[0, -1]))
+    stop = int(after.argmax())
+    choice = completion(url, prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0,
+                        stop_token_ids=[stop])["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"] == tiny_chat.tokenizer.decode(ids)
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 1 and logprobs["tokens"][-1] == tiny_chat.tokenizer.decode([stop])
+    assert abs(logprobs["token_logprobs"][-1] - after[stop]) < 1e-4
+    assert np.abs(np.array(logprobs["token_logprobs"][1:-1]) - direct_logprobs(tiny_chat, ids)).max() < 1e-4
+    # after a generated token: scored over the prompt and that token
+    first = generate(tiny_chat, tokens=[ids], max_new_tokens=1, ignore_eos=True)[0]
+    after = np.asarray(jax.nn.log_softmax(linnet_jax.logits(tiny_chat, [ids + first])[0, -1]))
+    stop = int(after.argmax())
+    if stop != first[0]:
+        choice = completion(url, prompt=ids, echo=True, logprobs=1, max_tokens=5, temperature=0, ignore_eos=True,
+                            stop_token_ids=[stop])["choices"][0]
+        assert len(choice["logprobs"]["tokens"]) == len(ids) + 2
+        assert abs(choice["logprobs"]["token_logprobs"][-1] - after[stop]) < 1e-4
+
+
+def test_echo_refusals(url):
+    for body, field in (({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+                        ({"prompt": "x", "echo": True, "stream": True}, "echo"),
+                        ({"prompt": "x", "echo": True, "max_tokens": 0, "model": "other"}, "model"),
+                        ({"prompt": "", "echo": True, "max_tokens": 0, "logprobs": 1}, "prompt"),
+                        ({"prompt": [1] * 129, "echo": True, "max_tokens": 0, "logprobs": 1}, "prompt"),
+                        ({"prompt": "x", "echo": True, "max_tokens": 0, "suffix": "y"}, "suffix")):
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code in (400, 404) and response.json()["error"]["param"] == field, (body, response.text)
 
 
 def write_tasks(directory) -> None:
@@ -81,27 +142,36 @@ def write_tasks(directory) -> None:
 
 
 def test_lm_eval_runs_its_three_request_kinds_against_the_server(tiny_chat, url, tmp_path):  # noqa: F811
+    """Batches of 4 prompts per request; max_length 32 makes the longer text's rolling perplexity take
+    several windows."""
     import lm_eval
     from lm_eval.tasks import TaskManager
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
     write_tasks(tmp_path)
     results = lm_eval.simple_evaluate(
         model="local-completions", tasks=list(TASKS), task_manager=TaskManager(include_path=str(tmp_path)),
         model_args={"base_url": f"{url}/v1/completions", "model": MODEL, "tokenizer_backend": "remote",
-                    "num_concurrent": 1, "max_retries": 1, "max_length": 128},
-        log_samples=True)
+                    "num_concurrent": 1, "max_retries": 1, "max_length": MAX_LENGTH},
+        batch_size=4, log_samples=True)
     tokenizer = tiny_chat.tokenizer
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731 (the remote tokenizer's)
+
+    def loglikelihood(context: list[int], continuation: list[int]) -> float:
+        return direct_logprobs(tiny_chat, context + continuation)[len(context) - 1:].sum()
+
     for sample in results["samples"]["linnet_choice"]:
-        for (context, continuation), ((loglikelihood, _),) in zip(sample["arguments"], sample["resps"]):
+        for (context, continuation), ((got, _),) in zip(sample["arguments"], sample["resps"]):
             context_ids = encode(context)
-            whole = encode(context + continuation)
-            expected = direct_logprobs(tiny_chat, whole)[len(context_ids) - 1:].sum()
-            assert abs(loglikelihood - expected) < 1e-3, (context, continuation)
-    prefix = encode(tokenizer.bos_token or tokenizer.eos_token)  # lm-eval's remote prefix token: BOS, else EOS
+            assert abs(got - loglikelihood(context_ids, encode(context + continuation)[len(context_ids):])) < 1e-3
+    prefix = encode(tokenizer.bos_token or tokenizer.eos_token)[0]  # lm-eval's remote prefix token: BOS, else EOS
+    windows = []
     for sample in results["samples"]["linnet_rolling"]:
-        ids = prefix + encode(sample["doc"]["text"])
-        assert abs(sample["resps"][0][0] - direct_logprobs(tiny_chat, ids).sum()) < 1e-3
+        ids = encode(sample["doc"]["text"])
+        windows.append([make_disjoint_window(w) for w in get_rolling_token_windows(ids, prefix, MAX_LENGTH - 2, 1)])
+        expected = sum(loglikelihood(context, continuation) for context, continuation in windows[-1])
+        assert abs(sample["resps"][0][0] - expected) < 1e-3
+    assert max(map(len, windows)) > 1, "the longer text takes several windows"
     for sample in results["samples"]["linnet_generate"]:
         context = sample["arguments"][0][0]
         want = generate(tiny_chat, tokens=[encode(context)], max_new_tokens=6, stop=["\n"], return_details=True)[0]

@@ -246,7 +246,8 @@ def test_tokenizer_info_is_the_served_tokenizer(tiny_chat, tiny_server):
     info = httpx.get(f"{tiny_server}/tokenizer_info").json()
     tokenizer = tiny_chat.tokenizer
     assert info == {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
-                    "eos_token": tokenizer.eos_token, "chat_template": tokenizer.chat_template, "model_max_length": 256}
+                    "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token,
+                    "chat_template": tokenizer.chat_template, "model_max_length": 256}
     assert info["eos_token"] is not None and info["chat_template"], "SmolLM2's tokenizer has both"
 
 

@@ -27,8 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from linnet_jax._version import __version__
-from linnet_jax.inputs import make_prompts
-from linnet_jax.score import prompt_logprobs
+from linnet_jax.serve.echo import echoes, prompt_ids, stop_ids
 from linnet_jax.serve.engine import Engine, Handle, Piece, QueueFull
 from linnet_jax.serve.errors import (BAD_INPUT, APIError, ASCIIJSONResponse, BearerAuth, error_response,
                                      request_error, validation_error)
@@ -56,23 +55,6 @@ def completion_prompts(prompt) -> list[dict]:
     if empty := next((i for i, ids in enumerate(prompt) if not ids), None):
         raise APIError(400, f"prompt[{empty}] is an empty list of ids", "prompt")
     return [{"tokens": ids} for ids in prompt]
-
-
-def echo_prompts(model, prompts: list[dict], top: int, logprobs: bool) -> list[Output]:
-    """Each prompt as `echo` shows it: its ids and text, and (logprobs) each token's logprob given those before
-    it with its `top` most likely alternatives (the first token's are placeholders: nothing comes before it).
-    CPU and device work: run it off the event loop."""
-    echoes = []
-    for prompt in prompts:
-        try:
-            ids = make_prompts(model, prompt.get("prompt"), prompt.get("tokens"), prompt.get("chat")).prompts[0]
-        except BAD_INPUT as error:
-            raise request_error(error, "prompt") from error
-        text = prompt.get("prompt") if "prompt" in prompt else (model.tokenizer.decode(ids) if model.tokenizer else "")
-        scores, alternatives = prompt_logprobs(model, ids) if logprobs else ([0.0] * (len(ids) - 1), [[]] * len(ids))
-        echoes.append(Output(text=text, tokens=ids, logprobs=[0.0, *scores],
-                             top_logprobs=[[], *(pairs[:top] for pairs in alternatives)] if top else []))
-    return echoes
 
 
 def submit_all(engine: Engine, prompts: list[dict], n: int, options: dict, prompt_field: str) -> list[Handle]:
@@ -197,54 +179,76 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model",
                            "model_not_found")
 
-    async def respond(request: Request, body: Sampling, shape: Shape, prompts: list[dict], top_logprobs: int,
-                      prompt_field: str):
-        check_model(body.model)
-        if refused := refused_field(body):
-            raise APIError(400, f"{refused} is not supported by this server", refused, "unsupported_field")
+    def admit(body: Sampling, prompts: list[dict], top_logprobs: int, prompt_field: str) -> list[Handle]:
+        """The request checked and submitted: n handles per prompt, prompt-major."""
+        check_request(body)
         n = body.n or 1
         if n * len(prompts) > engine.slots:
             raise APIError(400, f"n={n} choices of {len(prompts)} prompt(s) need more than the server's "
                                 f"{engine.slots} slots", "n")
         seed = secrets.randbits(63) if body.seed is None else body.seed
-        handles = submit_all(engine, prompts, n, engine_options(body, top_logprobs) | {"seed": seed}, prompt_field)
+        return submit_all(engine, prompts, n, engine_options(body, top_logprobs) | {"seed": seed}, prompt_field)
+
+    def check_request(body: Sampling) -> None:
+        check_model(body.model)
+        if refused := refused_field(body):
+            raise APIError(400, f"{refused} is not supported by this server", refused, "unsupported_field")
+
+    async def collected(request: Request, handles: list[Handle]) -> list[Output]:
+        """Each handle's whole output; all of them cancelled if the client disconnects first."""
         watcher = cancel_on_disconnect(request, handles)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = server_sent_events(stream_chunks(shape, handles, n, include_usage), watcher, handles)
-            return StreamingResponse(events, media_type="text/event-stream")
         try:
-            outputs = await asyncio.gather(*(collect(handle) for handle in handles))
+            return await asyncio.gather(*(collect(handle) for handle in handles))
         finally:
             watcher.cancel()
             cancel(handles)
+
+    async def respond(request: Request, body: Sampling, shape: Shape, prompts: list[dict], top_logprobs: int,
+                      prompt_field: str):
+        handles = admit(body, prompts, top_logprobs, prompt_field)
+        n = body.n or 1
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = server_sent_events(stream_chunks(shape, handles, n, include_usage),
+                                        cancel_on_disconnect(request, handles), handles)
+            return StreamingResponse(events, media_type="text/event-stream")
+        outputs = await collected(request, handles)
         choices = [shape.choice(i, output, finish_reason(handle))
                    for i, (output, handle) in enumerate(zip(outputs, handles))]
         return shape.response(choices, usage(handles, n))
+
+    async def echoed(request: Request, body: CompletionRequest, shape: Completions, prompts: list[dict], top: int):
+        """/v1/completions with echo (`linnet_jax.serve.echo`): max_tokens 0 scores the prompts only."""
+        if body.stream:
+            raise APIError(400, "echo is not supported with stream: true", "echo")
+        check_request(body)
+        ids = await asyncio.to_thread(prompt_ids, engine.model, prompts, engine.max_len)
+        n = body.n or 1
+        if body.max_tokens == 0:
+            outputs, reasons = [Output() for _ in range(n * len(ids))], ["length"] * (n * len(ids))
+            stopped = [set() for _ in outputs]
+            tokens = sum(len(row) for row in ids)
+            counts = {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}
+        else:
+            handles = admit(body, [{"tokens": row} for row in ids], top, "prompt")
+            outputs = await collected(request, handles)
+            reasons, counts = [finish_reason(handle) for handle in handles], usage(handles, n)
+            stopped = [stop_ids(engine.model, body, handle.generation.stop_reason) for handle in handles]
+        parts = await asyncio.to_thread(echoes, engine.model, prompts, ids, outputs, stopped, top,
+                                        body.logprobs is not None)
+        choices = [shape.echoed(shape.choice(i, output, reason), *parts[i])
+                   for i, (output, reason) in enumerate(zip(outputs, reasons))]
+        return shape.response(choices, counts)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         shape = Completions(model_name, tokenizer, body.logprobs is not None)
         prompts, top = completion_prompts(body.prompt), body.logprobs or 0
-        if not body.echo:
-            if body.max_tokens == 0:
-                raise APIError(400, "max_tokens must be at least 1 (0 scores the prompt, with echo: true)", "max_tokens")
-            return await respond(request, body, shape, prompts, top, "prompt")
-        if body.stream:
-            raise APIError(400, "echo is not supported with stream: true", "echo")
-        echoes = await asyncio.to_thread(echo_prompts, engine.model, prompts, top, body.logprobs is not None)
-        n = body.n or 1
+        if body.echo:
+            return await echoed(request, body, shape, prompts, top)
         if body.max_tokens == 0:
-            check_model(body.model)
-            if refused := refused_field(body):
-                raise APIError(400, f"{refused} is not supported by this server", refused, "unsupported_field")
-            choices = [shape.choice(i, Output(), "length") for i in range(len(prompts) * n)]
-            tokens = sum(len(echo.tokens) for echo in echoes)
-            response = shape.response(choices, {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens})
-        else:
-            response = await respond(request, body, shape, prompts, top, "prompt")
-        response["choices"] = [shape.echoed(choice, echoes[i // n]) for i, choice in enumerate(response["choices"])]
-        return response
+            raise APIError(400, "max_tokens must be at least 1 (0 scores the prompt, with echo: true)", "max_tokens")
+        return await respond(request, body, shape, prompts, top, "prompt")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
@@ -291,7 +295,8 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
     async def tokenizer_info():
         served = needs_tokenizer()
         return {"tokenizer_class": TOKENIZER_CLASS, "bos_token": served.bos_token, "eos_token": served.eos_token,
-                "chat_template": served.chat_template, "model_max_length": engine.max_len}
+                "pad_token": served.pad_token, "chat_template": served.chat_template,
+                "model_max_length": engine.max_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

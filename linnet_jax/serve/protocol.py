@@ -201,19 +201,17 @@ class Completions(Shape):
         return {"tokens": texts, "token_logprobs": output.logprobs, "top_logprobs": top or [None] * len(texts),
                 "text_offset": starts}
 
-    def echoed(self, choice: dict, prompt: "Output") -> dict:
-        """A choice with its prompt before it (`echo`): the prompt's text, and its tokens' logprobs, the first
-        token's null (nothing comes before it)."""
-        logprobs = choice["logprobs"]
+    def echoed(self, choice: dict, prompt: Output, stop: Output) -> dict:
+        """A choice with its prompt before it (`echo`): the prompt's text, and (logprobs) its tokens' entries, the
+        first token's logprob and top_logprobs null (nothing comes before it), then the generated tokens' and
+        the entry of the stop id that ended the generation, if one did (`linnet_jax.serve.echo`)."""
+        text, logprobs = prompt.text + choice["text"], choice["logprobs"]
         if logprobs is not None:
-            before = self.choice_logprobs(prompt, 0)
-            before["token_logprobs"][0] = before["top_logprobs"][0] = None
-            offset = len(prompt.text)
-            logprobs = {"tokens": before["tokens"] + logprobs["tokens"],
-                        "token_logprobs": before["token_logprobs"] + logprobs["token_logprobs"],
-                        "top_logprobs": before["top_logprobs"] + logprobs["top_logprobs"],
-                        "text_offset": before["text_offset"] + [offset + o for o in logprobs["text_offset"]]}
-        return choice | {"text": prompt.text + choice["text"], "logprobs": logprobs}
+            parts = [self.choice_logprobs(prompt, 0), logprobs, self.choice_logprobs(stop, len(text))]
+            parts[0]["token_logprobs"][0] = parts[0]["top_logprobs"][0] = None
+            parts[1] = logprobs | {"text_offset": [len(prompt.text) + offset for offset in logprobs["text_offset"]]}
+            logprobs = {key: [value for part in parts for value in part[key]] for key in logprobs}
+        return choice | {"text": text, "logprobs": logprobs}
 
     def delta(self, index: int, piece: Output, first: bool, offset: int) -> dict:
         return self.choice(index, piece, None, offset)
