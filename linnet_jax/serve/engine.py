@@ -73,7 +73,11 @@ class Work:
     top_logprobs: int  # how many alternatives to report beside each token (0: none)
     handle: "Handle"
     prefilled: int = 0  # prompt tokens in the slot's cache
-    decoding: bool = False  # the prompt is prefilled and the first token chosen
+
+    @property
+    def decoding(self) -> bool:
+        """The prompt is prefilled (and its first token chosen)."""
+        return self.prefilled == len(self.prompt)
 
 
 class Handle:
@@ -434,8 +438,7 @@ class Engine:
         done = []
         for slot, work, n in chosen:
             work.prefilled += n
-            if work.prefilled == len(work.prompt):
-                work.decoding = True
+            if work.decoding:
                 done.append((slot, work))
         self.step_log.append(Step("prefill", len(chosen), sum(n for _, _, n in chosen), len(done)))
         if not done:
