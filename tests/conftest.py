@@ -93,13 +93,19 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model
 
 
+def random_model(config: transformers.PretrainedConfig, seed: int) -> transformers.PreTrainedModel:
+    """A float32 eager model of `config` whose random weights depend on `seed` only: the same whichever tests ran
+    before (a near-tie between two logits must not come and go with the test order), and no RNG moved for them."""
+    config._attn_implementation = "eager"
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+        return randomize(model, seed).eval()
+
+
 def build_tiny(name: str, seed: int = 0) -> transformers.PreTrainedModel:
     config_class, fields = TINY_CONFIGS[name]
-    config = getattr(transformers, config_class)(**TINY | fields)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    return randomize(model, seed).eval()
+    return random_model(getattr(transformers, config_class)(**TINY | fields), seed)
 
 
 @pytest.fixture(scope="session")
@@ -166,5 +172,5 @@ def shardable_dir(tmp_path_factory):
     config = transformers.LlamaConfig(**TINY | dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
                                                     intermediate_size=128))
     directory = tmp_path_factory.mktemp("shardable")
-    randomize(transformers.AutoModelForCausalLM.from_config(config), seed=3).save_pretrained(directory)
+    random_model(config, seed=3).save_pretrained(directory)
     return directory

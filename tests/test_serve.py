@@ -20,10 +20,9 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 import transformers
 import uvicorn
-from conftest import TINY
+from conftest import TINY, random_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -45,9 +44,7 @@ def tiny_chat_dir(smollm2, tmp_path_factory):
                                                     bos_token_id=smollm2.config.bos_token_id,
                                                     eos_token_id=list(smollm2.config.eos_token_ids)))
     directory = tmp_path_factory.mktemp("tiny_chat")
-    with torch.random.fork_rng():  # the same random weights whichever tests ran before, and no RNG moved for them
-        torch.manual_seed(0)
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    random_model(config, seed=0).save_pretrained(directory)
     smollm2.tokenizer.save(directory)
     return directory
 

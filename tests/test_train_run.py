@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TINY, randomize
+from conftest import TINY, random_model
 
 import linnet_jax
 from linnet_jax import train
@@ -40,7 +40,7 @@ def tiny_chat(tmp_path_factory, smollm2):
 
     config = transformers.LlamaConfig(**TINY | dict(vocab_size=smollm2.config.vocab_size, num_key_value_heads=2))
     directory = tmp_path_factory.mktemp("tiny_chat")
-    randomize(transformers.AutoModelForCausalLM.from_config(config), seed=5).save_pretrained(directory)
+    random_model(config, seed=5).save_pretrained(directory)
     return dataclasses.replace(linnet_jax.load(directory, progress=False), tokenizer=smollm2.tokenizer)
 
 
