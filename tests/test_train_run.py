@@ -207,8 +207,8 @@ def test_finetune_command_refuses_a_non_empty_out_dir_before_loading(tmp_path):
 def test_a_diverging_run_stops_with_a_clear_error(tiny_chat, chat_data, tmp_path):
     """An infinite learning rate (what --lr refuses, through the Python API): the loss turns NaN at step 2 (item 7)."""
     with pytest.raises(train.Diverged, match=r"step 2: the loss is nan and the gradient norm nan: training diverged "
-                                             r"\(at a learning rate of .*\); nothing of this step was saved \(no "
-                                             r"checkpoint yet\)\. Lower the learning rate \(--lr\)"):
+                                             r"\(at a learning rate of .*\); nothing of this step was saved \(the "
+                                             r"last checkpoint is step 1\)\. Lower the learning rate \(--lr\)"):
         train.finetune(tiny_chat, chat_data, tmp_path / "run", **ONE_STEP | dict(steps=3, lr=float("inf")))
 
 
