@@ -315,7 +315,7 @@ class Engine:
                     self.state = extend_rows(model, self.state, [nothing], [[0]], [start], [request], [False], rows,
                                              width)
         for top in (False, True):
-            self.state, _ = self._decode(top)
+            self.state, _ = self._decode(top, self.steps)
             if self.speculative:
                 self.state, _ = self._verify([[]] * self.slots, top)
         self.state = free(self.state, np.int32(0))
@@ -455,9 +455,9 @@ class Engine:
         """The prefill rows bucket that holds `count` prompts."""
         return next(size for size in self.row_buckets() if size >= count)
 
-    def _decode(self, top: bool):
+    def _decode(self, top: bool, steps: int):
         model = self.model
-        return decode(model.decode_params, model.config, self.state, np.int32(self.steps), self.steps,
+        return decode(model.decode_params, model.config, self.state, np.int32(steps), self.steps,
                       model.layout and model.layout.constrain, top, model.plan)
 
     def _verify(self, drafts: list[list[int]], top: bool):
@@ -478,8 +478,8 @@ class Engine:
         return drafts
 
     def _dispatch(self) -> None:
-        """steps_per_dispatch decode steps over every decoding slot, or one step verifying their drafts; hand out
-        the tokens."""
+        """steps_per_dispatch decode steps over every decoding slot (one while a prompt waits for the next prefill
+        dispatch: it joins the decoding rows sooner), or one step verifying their drafts; hand out the tokens."""
         top = any(work is not None and work.top_logprobs for work in self.owners)
         drafts = self._drafts() if self.speculative else []
         rows = sum(work is not None and work.decoding for work in self.owners)
@@ -487,8 +487,9 @@ class Engine:
             self.state, emitted = self._verify(drafts, top)
             kind, fed = "verify", rows + sum(map(len, drafts))
         else:
-            self.state, emitted = self._decode(top)
-            kind, fed = "decode", rows * self.steps
+            steps = 1 if any(work is not None and not work.decoding for work in self.owners) else self.steps
+            self.state, emitted = self._decode(top, steps)
+            kind, fed = "decode", rows * steps
         tokens, logprobs, counts = host(emitted.tokens), host(emitted.logprobs), host(emitted.count)
         self.step_log.append(Step(kind, rows, fed, int(counts.sum())))
         finish = host(self.state.finish)
