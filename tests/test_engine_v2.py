@@ -118,10 +118,11 @@ def test_prefix_cache_hostile_cases(model):
 
 def test_a_long_prompt_holds_the_decoding_slots_one_chunk_at_a_time(model):
     """7 slots decode while a prompt of 120 ids arrives: it is prefilled in chunks of 16, and between two of its
-    chunks every decoding slot gets its next token (one decode dispatch), as the engine's step log shows."""
-    with Engine(model, slots=8, max_len=160, steps_per_dispatch=1, prefill_chunk=16, prefix_cache=False) as engine:
+    chunks every decoding slot gets its next token (one decode dispatch of one step, not steps_per_dispatch: the
+    prompt joins the decoding rows sooner), as the engine's step log shows."""
+    with Engine(model, slots=8, max_len=160, steps_per_dispatch=4, prefill_chunk=16, prefix_cache=False) as engine:
         engine.warmup()
-        running = [engine.submit(tokens=[5 + i, 6, 7], max_tokens=60, ignore_eos=True) for i in range(7)]
+        running = [engine.submit(tokens=[5 + i, 6, 7], max_tokens=150, ignore_eos=True) for i in range(7)]
         for handle in running:
             next(iter(handle))  # each is decoding
         start = len(engine.step_log)
@@ -130,10 +131,12 @@ def test_a_long_prompt_holds_the_decoding_slots_one_chunk_at_a_time(model):
         steps = list(engine.step_log)[start:]
         prefills = [i for i, step in enumerate(steps) if step.kind == "prefill"]
         assert len(prefills) == 8 and all(steps[i].tokens <= 16 for i in prefills)  # 7 chunks of 16 and one of 8
-        for before, after in zip(prefills, prefills[1:]):  # a decode dispatch of the 7 between any two chunks
-            assert any(step.kind == "decode" and step.rows >= 7 for step in steps[before + 1:after])
+        for before, after in zip(prefills, prefills[1:]):  # one decode step of the 7 between any two chunks
+            between = [step for step in steps[before + 1:after] if step.kind == "decode"]
+            assert len(between) == 1 and between[0].rows >= 7 and between[0].tokens == between[0].rows
         assert [h.result(timeout=300).tokens for h in running] == [
-            generate(model, tokens=[[5 + i, 6, 7]], max_new_tokens=60, ignore_eos=True)[0] for i in range(7)]
+            generate(model, tokens=[[5 + i, 6, 7]], max_new_tokens=150, ignore_eos=True)[0] for i in range(7)]
+        assert any(step.kind == "decode" and step.tokens == 4 * step.rows for step in engine.step_log)  # none waits
 
 
 def test_generate_speculative_gives_the_same_tokens_in_fewer_steps(model, monkeypatch):
