@@ -328,7 +328,8 @@ UNCLEAR_BEFORE = [  # (path, body, param, words of the message): each message na
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages[0].content",
      "expected a string or a list of text parts"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]},
-                                           {"role": "user", "content": "x"}]}, "messages[0].content", "null or missing"),
+                                           {"role": "user", "content": "x"}]},
+     "messages[0].content", "null or missing"),
     ("/tokenize", {"messages": [{"role": "user"}]}, "messages[0].content", "expected a string"),
     ("/v1/completions", {"prompt": "hi", "top_k": 2**40}, "top_k", "top_k must be in [-2147483648, 2147483647]"),
     ("/v1/completions", {"prompt": [[]]}, "prompt", "prompt[0] is an empty list of ids; expected at least one id"),
@@ -504,7 +505,8 @@ def test_max_request_bytes_is_the_body_limit(tiny_engine):
         small, large = {"prompt": "hi", "max_tokens": 1}, {"prompt": "hi " * 40, "max_tokens": 1}
         assert httpx.post(f"{url}/v1/completions", json=small, timeout=60).status_code == 200
         response = httpx.post(f"{url}/v1/completions", json=large, timeout=60)
-        assert response.status_code == 413 and "at most 100 (--max-request-bytes)" in response.json()["error"]["message"]
+        assert response.status_code == 413, response.text
+        assert "at most 100 (--max-request-bytes)" in response.json()["error"]["message"]
 
 
 # --- a failing engine ----------------------------------------------------------------------------------------

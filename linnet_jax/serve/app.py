@@ -81,19 +81,21 @@ def submit_error(error: BaseException, prompt_field: str) -> BaseException:
     if isinstance(error, BAD_INPUT):
         return request_error(error, prompt_field)
     if isinstance(error, EngineFailed):
-        return APIError(503, f"{error}; the server is exiting", code="engine_failed")
+        return engine_failed(error.__cause__, 503)
     if isinstance(error, RuntimeError):
         return APIError(503, str(error), code="shutting_down")
     return error
 
 
+def engine_failed(failure: Exception, status: int) -> APIError:
+    """An answer naming the engine's failure: 500 for the requests it was serving, 503 for later ones."""
+    return APIError(status, f"the engine failed ({type(failure).__name__}: {failure}); the server is exiting",
+                    code="engine_failed")
+
+
 def failed(handle: Handle) -> APIError | None:
     """A 500 naming the engine's failure when the handle's request ended with it, else None."""
-    if handle.generation.stop_reason != "error":
-        return None
-    failure = handle.engine.failure
-    return APIError(500, f"the engine failed while serving this request ({type(failure).__name__}: {failure}); "
-                         f"the server is exiting", code="engine_failed")
+    return engine_failed(handle.engine.failure, 500) if handle.generation.stop_reason == "error" else None
 
 
 async def collect(handle: Handle) -> Output:
@@ -207,8 +209,7 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
     def check_available() -> None:
         """A 503 once the engine admits nothing: it is shutting down, or it failed."""
         if engine.failure is not None:
-            raise APIError(503, f"the engine failed ({type(engine.failure).__name__}: {engine.failure}); the server "
-                                f"is exiting", code="engine_failed")
+            raise engine_failed(engine.failure, 503)
         if engine.closing:
             raise APIError(503, "the server is shutting down: it admits no new requests", code="shutting_down")
 
@@ -286,7 +287,7 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
         prompts, top = completion_prompts(body.prompt), body.logprobs or 0
         if body.echo:
             return await echoed(request, body, shape, prompts, top)
-        if budget(body) == ("max_tokens", 0):
+        if budget(body)[1] == 0:
             raise APIError(400, "max_tokens must be at least 1 (0 scores the prompt, with echo: true)", "max_tokens")
         return await respond(request, body, shape, prompts, top, "prompt")
 
@@ -325,7 +326,7 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
         field = "prompt" if body.messages is None else "messages"
         messages = None if body.messages is None else message_dicts(body.messages)
         try:
-            ids = await asyncio.to_thread(encode, needs_tokenizer(), body, messages)
+            ids = await asyncio.to_thread(tokenize_ids, needs_tokenizer(), body, messages)
         except BAD_INPUT as error:
             raise request_error(error, field) from error
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_len}
@@ -348,7 +349,7 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
     return app
 
 
-def encode(tokenizer, body: TokenizeRequest, messages: list[dict] | None) -> list[int]:
+def tokenize_ids(tokenizer, body: TokenizeRequest, messages: list[dict] | None) -> list[int]:
     """/tokenize's ids: the prompt encoded, or the messages through the chat template."""
     if messages is None:
         return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -379,7 +380,8 @@ def serve(app: FastAPI, engine: Engine, *, host: str, port: int, deadline: float
         server.should_exit = True
 
     signals = itertools.count()
-    server = DrainingServer(uvicorn.Config(app, host=host, port=port, lifespan="off", timeout_graceful_shutdown=FLUSH_S))
+    config = uvicorn.Config(app, host=host, port=port, lifespan="off", timeout_graceful_shutdown=FLUSH_S)
+    server = DrainingServer(config)
     drainer = threading.Thread(target=drain, name="linnet-jax-drain", daemon=True)
     engine.on_failure.append(lambda error: setattr(server, "should_exit", True))
     server.run()
