@@ -90,6 +90,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an int ≥ 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an int ≥ 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite float > 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def port(text: str) -> int:
     """argparse type: a TCP port, 0 to 65535."""
     value = int(text)
@@ -157,19 +173,25 @@ def add_finetune(command: argparse.ArgumentParser) -> None:
     command.add_argument("--data", required=True, metavar="FILE.jsonl",
                          help='records {"messages": [...]}, {"prompt": ..., "completion": ...} or {"text": ...}')
     command.add_argument("--dtype", default=None, choices=DTYPES, help="the params' dtype (default: as stored)")
-    command.add_argument("--lora-rank", type=int, default=8, help="0 = full fine-tuning")
-    command.add_argument("--lora-alpha", type=float, default=16.0)
+    command.add_argument("--lora-rank", type=non_negative_int, default=8, help="0 = full fine-tuning")
+    command.add_argument("--lora-alpha", type=positive_float, default=16.0)
     command.add_argument("--lora-targets", default=None,
                          help="comma-separated HF module names (default: q_proj,...,down_proj, all seven)")
-    command.add_argument("--steps", type=int, default=100)
-    command.add_argument("--batch-size", type=int, default=4, help="rows per micro-batch")
-    command.add_argument("--seq-len", type=int, default=512)
-    command.add_argument("--lr", type=float, default=1e-4)
-    command.add_argument("--warmup", type=int, default=0, help="steps of linear warmup")
-    command.add_argument("--accum-steps", type=int, default=1, help="micro-batches per step (a step sees batch-size x accum-steps rows)")
-    command.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps")
-    command.add_argument("--keep", type=int, default=3, help="checkpoints kept")
-    command.add_argument("--resume", action="store_true", help="continue from OUT_DIR's latest checkpoint")
+    command.add_argument("--steps", type=positive_int, default=100)
+    command.add_argument("--batch-size", type=positive_int, default=4, help="rows per micro-batch")
+    command.add_argument("--seq-len", type=positive_int, default=512)
+    command.add_argument("--lr", type=positive_float, default=1e-4)
+    command.add_argument("--warmup", type=non_negative_int, default=0, help="steps of linear warmup")
+    command.add_argument("--accum-steps", type=positive_int, default=1,
+                         help="micro-batches per step (a step sees batch-size x accum-steps rows)")
+    command.add_argument("--save-every", type=positive_int, default=100, help="checkpoint every N steps")
+    command.add_argument("--keep", type=positive_int, default=3, help="checkpoints kept")
+    again = command.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue from OUT_DIR's latest checkpoint")
+    again.add_argument("--resume-anyway", action="store_true",
+                       help="--resume even when --data, --seq-len, --batch-size, ... differ from the checkpoint's")
+    again.add_argument("--overwrite", action="store_true",
+                       help="start again in a non-empty OUT_DIR, replacing what finetune writes there")
     command.add_argument("--seed", type=int, default=0)
     command.add_argument("--no-packing", action="store_true", help="one record per row, padded")
     command.add_argument("--truncate", action="store_true", help="cut records longer than --seq-len (counted)")
@@ -192,24 +214,28 @@ def run_finetune(args) -> None:
     """Load the model, run linnet_jax.train.finetune, export what it trained and print where.
 
     OUT_DIR/model is the fine-tuned model (LoRA merged) as a Hugging Face directory, which load, generate and
-    every export accept; with LoRA, OUT_DIR/adapter holds the adapters in PEFT's layout (PEFT, vLLM).
+    every export accept; with LoRA, OUT_DIR/adapter holds the adapters in PEFT's layout (PEFT, vLLM). A non-empty
+    OUT_DIR is refused, before loading, unless --resume, --resume-anyway or --overwrite.
     """
     from linnet_jax import export, load, train
     from linnet_jax.load import DEFAULT_MODEL
+    from linnet_jax.train.loop import check_out_dir
 
+    check_out_dir(Path(args.out), resume=args.resume or args.resume_anyway, overwrite=args.overwrite)
     lora = lora_config(args)
     model = load(args.model, dtype=args.dtype)
     result = train.finetune(
         model, args.data, args.out, lora=lora, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         lr=args.lr, warmup=args.warmup, accum_steps=args.accum_steps, save_every=args.save_every, keep=args.keep,
-        resume=args.resume, seed=args.seed, packing=not args.no_packing, truncate=args.truncate, remat=args.remat,
-        compute_dtype=args.compute_dtype)
+        resume=args.resume, resume_anyway=args.resume_anyway, overwrite=args.overwrite, seed=args.seed,
+        packing=not args.no_packing, truncate=args.truncate, remat=args.remat, compute_dtype=args.compute_dtype)
     out = Path(args.out)
     model_dir = export.hf(result.model, out / "model", overwrite=True, progress=False)
     adapter_dir = None if lora is None else export.peft(model, result.state.lora, out / "adapter",
                                                        base=args.model or DEFAULT_MODEL, overwrite=True)
-    first, last = result.metrics[0], result.metrics[-1]
-    print(f"loss {first['loss']:.4f} at step {first['step']} -> {last['loss']:.4f} at step {last['step']}")
+    if result.metrics:  # none when a resumed run had no step left and its metrics.jsonl is gone
+        first, last = result.metrics[0], result.metrics[-1]
+        print(f"loss {first['loss']:.4f} at step {first['step']} -> {last['loss']:.4f} at step {last['step']}")
     print(f"model: {model_dir}")
     if adapter_dir:
         print(f"PEFT adapter: {adapter_dir}")

@@ -1,15 +1,18 @@
 """The files a model lives in, read and written by the loaders (`load`, `checkpoint`) and the exporters alike.
 
 Reading: JSON objects, config.json and tensors checked finite, each error naming the file. Writing: a target
-that is refused when something is there (unless overwrite=True), written under a temporary name and renamed
-into place; the JSON and tokenizer files that a Hugging Face directory, an Orbax checkpoint and the other
+that is refused when anything is there (unless overwrite=True, and then only a regular file or a directory is
+written over), written under a temporary name and renamed into place, a failure being an OSError naming it; the JSON and tokenizer files that a Hugging Face directory, an Orbax checkpoint and the other
 exports all carry.
 """
 
 import contextlib
 import json
 import os
+import re
 import shutil
+import stat
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +25,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # What write_model_files writes: every exporter that calls it replaces these in its target.
 MODEL_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 INDEX_FILE = "model.safetensors.index.json"  # a sharded safetensors checkpoint's weight map
+# The kinds of file lstat tells apart; an export writes over the first two only.
+FILE_KINDS = ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symbolic link"),
+              (stat.S_ISFIFO, "named pipe (FIFO)"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+              (stat.S_ISSOCK, "socket"))
+# How the writers' libraries name an operating-system error in theirs: safetensors' SafetensorError "(os error
+# 27)", Orbax's (TensorStore's) ValueError "[os_error_code='27']".
+OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)|\[os_error_code='(\d+)'\]")
 
 
 def read_json(path: Path) -> dict:
@@ -62,15 +72,29 @@ def finite(name: str, tensor: np.ndarray, source: Path) -> np.ndarray:
     return tensor
 
 
-def prepare_target(path, overwrite: bool = False) -> Path:
-    """`path` as a Path whose parent directory exists, refusing to clobber existing output.
+def file_kind(path: Path) -> str | None:
+    """What is at `path`, its last component not followed: None (nothing), "regular file", "directory",
+    "symbolic link", "named pipe (FIFO)", "character device", "block device", "socket" or "special file"."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return None
+    return next((kind for test, kind in FILE_KINDS if test(mode)), "special file")
 
-    An existing file, or an existing non-empty directory, is a FileExistsError naming it unless
-    overwrite=True (then the exporter writes over it). An empty directory is fine.
+
+def prepare_target(path, overwrite: bool = False) -> Path:
+    """`path` as a Path whose parent directory exists, refusing to clobber anything there.
+
+    Anything at the path (a file, a non-empty directory, a symbolic link, a device, a named pipe, a socket) is
+    a FileExistsError naming it unless overwrite=True; even then, only a regular file or a directory is
+    written over. An empty directory is fine.
     """
     target = Path(path).expanduser()
-    occupied = target.is_file() or (target.is_dir() and any(target.iterdir()))
-    if occupied and not overwrite:
+    kind = file_kind(target)
+    if kind not in (None, "regular file", "directory"):
+        raise FileExistsError(f"{target} already exists and is a {kind}; an export writes over a regular file or "
+                              "a directory only (with overwrite=True), never over anything else")
+    if (kind == "regular file" or (kind == "directory" and any(target.iterdir()))) and not overwrite:
         raise FileExistsError(f"{target} already exists and is not empty; pass overwrite=True to write over it")
     target.parent.mkdir(parents=True, exist_ok=True)
     return target
@@ -86,8 +110,8 @@ def staged(target: Path, replaces: tuple[str, ...] | None = None) -> Iterator[Pa
     of glob patterns: the target is a directory (yielded created); when it already exists, only the entries matching
     these patterns (what the exporter writes, stale shards included) are removed, then every entry written
     is renamed into it, and anything else there (another model's files) stays. On any error the
-    temporary directory is removed and the target is left as it was; an OSError (a full disk, say) is
-    raised again naming the target.
+    temporary directory is removed and the target is left as it was; an OSError (a full disk, say), or a
+    writer library's error that stands for one (see `os_error`), is raised as an OSError naming the target.
     """
     if replaces is None and target.is_dir():
         raise IsADirectoryError(f"{target} is a directory; this export writes one file (e.g. {target / 'model.gguf'})")
@@ -104,11 +128,37 @@ def staged(target: Path, replaces: tuple[str, ...] | None = None) -> Iterator[Pa
             _replace_entries(written, target, replaces)
         else:
             os.replace(written, target)
-    except OSError as error:
-        raise OSError(error.errno, f"could not write {target}: {error.strerror or error}; it was left as it was") \
+    except Exception as error:
+        cause = os_error(error)
+        if cause is None:
+            raise
+        raise OSError(cause.errno, f"could not write {target}: {cause.strerror or cause}; it was left as it was") \
             from error
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_tree(staging)
+
+
+def os_error(error: Exception) -> OSError | None:
+    """The OSError that `error` is, or that a writer library's error names by its code (see OS_ERROR_CODE:
+    a file too large, a full disk); None for any other error."""
+    if isinstance(error, OSError):
+        return error
+    match = OS_ERROR_CODE.search(str(error))
+    if match is None:
+        return None
+    code = int(match.group(1) or match.group(2))
+    return OSError(code, os.strerror(code))
+
+
+def remove_tree(path: Path, seconds: float = 10.0) -> None:
+    """Remove a directory tree, again until it is gone (for at most `seconds`): after a failed save, a writer's
+    threads (Orbax's, TensorStore's) may still be adding files to it."""
+    deadline = time.monotonic() + seconds
+    while True:
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path) or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def _replace_entries(written: Path, target: Path, replaces: tuple[str, ...]) -> None:

@@ -1,15 +1,19 @@
-"""Issue 11, "refuse what cannot be honoured": each hostile or careless input's exact reproducer, and the clear
-error (or the reference's result) it now gets. Tiny random models throughout."""
+"""Issue 11, "refuse what cannot be honoured" (and issue 19's exporters): each hostile or careless input's exact
+reproducer, and the clear error (or the reference's result) it now gets. Tiny random models throughout."""
 
 import dataclasses
 import errno
 import importlib
 import io
+import json
+import os
 import re
+import stat
 import subprocess
 import sys
 
 import gguf
+import jax
 import numpy as np
 import pytest
 import tokenizers
@@ -20,7 +24,7 @@ from safetensors.numpy import load_file, save_file
 from test_load import copy_dir, edit_config, edit_weights
 
 import linnet_jax
-from linnet_jax import cli, export
+from linnet_jax import cli, export, train
 from linnet_jax.gguf import write_gguf
 from linnet_jax.models import params_to_hf
 from linnet_jax.tokenizer import Tokenizer
@@ -81,6 +85,80 @@ def test_failed_export_leaves_the_target_untouched(tiny_dir, tmp_path, monkeypat
         write(model, target)
     assert snapshot(tmp_path) == before
     assert [p.name for p in tmp_path.iterdir()] == [target_name]
+
+
+# Every writer, refusing what is in the way even with overwrite=True (issue 19).
+WRITERS = {name: write for name, (write, _, _) in FAILING_EXPORTS.items()} | {
+    "peft": lambda m, p: export.peft(m, train.init_lora(m.config, train.LoraConfig(rank=8), jax.random.key(0)), p,
+                                     overwrite=True)}
+
+
+def test_exports_never_write_over_a_fifo_a_symlink_or_a_device(tiny_dir, tmp_path):
+    """A named pipe, or a symbolic link (here to /dev/null), is never replaced: not even with overwrite=True, and
+    not by `linnet-jax export` (issue 19, item 1)."""
+    model = tiny(tiny_dir)
+    fifo, link = tmp_path / "pipe", tmp_path / "null.gguf"
+    os.mkfifo(fifo)
+    link.symlink_to(os.devnull)
+    with pytest.raises(FileExistsError, match=f"{re.escape(str(fifo))} already exists and is a named pipe .FIFO.; "
+                                              "an export writes over a regular file or a directory only"):
+        export.gguf(model, fifo, dtype="f32", progress=False)
+    for name, write in WRITERS.items():
+        for target, kind in ((fifo, "named pipe"), (link, "symbolic link")):
+            with pytest.raises(FileExistsError, match=f"{re.escape(str(target))} already exists and is a {kind}"):
+                write(model, target)
+    with pytest.raises(SystemExit, match=f"linnet-jax export: error: {re.escape(str(fifo))} already exists and is a "
+                                         "named pipe"):
+        cli.main(["export", "--format", "gguf", "--model", str(tiny_dir("llama_mha")[1]), "--no-compilation-cache",
+                  "--overwrite", str(fifo)])
+    assert stat.S_ISFIFO(fifo.lstat().st_mode) and os.readlink(link) == os.devnull
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["null.gguf", "pipe"]  # nothing partial left either
+
+
+# Runs each writer in a process whose files may not grow past 64 KB (a stand-in for a full disk), SIGXFSZ ignored
+# so that a write past it fails with EFBIG; prints {writer: [error type, message, what is left in its folder]}.
+FILE_SIZE_LIMIT = """
+import json, resource, signal, sys, tempfile
+from pathlib import Path
+import jax
+import linnet_jax
+from linnet_jax import export, train
+model = linnet_jax.load(sys.argv[1], progress=False)
+lora = train.init_lora(model.config, train.LoraConfig(rank=8), jax.random.key(0))
+writers = {"hf": lambda p: export.hf(model, p, progress=False),
+           "stablehlo": lambda p: export.stablehlo(model, p, max_len=32, progress=False),
+           "jax_source": lambda p: export.jax_source(model, p), "peft": lambda p: export.peft(model, lora, p),
+           "gguf": lambda p: export.gguf(model, p, dtype="f32", progress=False),
+           "save": lambda p: linnet_jax.save(model, p)}  # last: Orbax's threads outlive a failed save a moment
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+outcomes = {}
+for name, write in writers.items():
+    folder = Path(sys.argv[2]) / name
+    folder.mkdir()
+    try:
+        write(folder / "out")
+        outcomes[name] = [None, "", []]
+    except Exception as error:
+        outcomes[name] = [type(error).__name__, str(error), sorted(p.name for p in folder.iterdir())]
+print(json.dumps(outcomes))
+"""
+
+
+def test_a_save_past_a_file_size_limit_is_an_os_error_and_leaves_nothing(tiny_dir, tmp_path):
+    """Under RLIMIT_FSIZE every writer raises an OSError naming its target (not Orbax's ValueError or a
+    SafetensorError), and no `.out.partial-*` is left beside it (issue 19, item 13)."""
+    environment = {key: value for key, value in os.environ.items() if key != "JAX_COMPILATION_CACHE_DIR"}
+    result = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMIT, str(tiny_dir("llama_mha")[1]), str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, env=environment)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = json.loads(result.stdout.splitlines()[-1])
+    assert set(outcomes) == set(WRITERS)
+    for name, (kind, message, left) in outcomes.items():
+        target = tmp_path / name / "out"
+        assert kind == "OSError" and f"could not write {target}: " in message, (name, kind, message)
+        assert name == "gguf" or "File too large; it was left as it was" in message  # gguf's writer counts bytes
+        assert left == [], (name, left)
 
 
 # ---- configs, checkpoints and GGUF metadata ----

@@ -791,6 +791,7 @@ def test_sigterm_with_requests_in_flight_exits_cleanly(tiny_chat_dir):
         for thread in threads:
             thread.start()
         assert streaming.acquire(timeout=60) and streaming.acquire(timeout=60), "two requests are streaming"
+        assert wait_for(lambda: metric(url, "linnet_jax_requests_queued") == 1, 60), "the third one is queued"
         server.send_signal(signal.SIGTERM)
         assert server.wait(60) == 0, server.stdout.read()
         for thread in threads:

@@ -66,6 +66,40 @@ def test_bad_data_is_named(smollm2, tmp_path, lines, message):
     assert str(tmp_path / "data.jsonl") in str(error.value)
 
 
+HELLO = json.dumps({"text": "hello"}).encode()
+NESTED = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "data.jsonl:1: not UTF-8 (byte 0x89 at column 1); expected UTF-8 text"),
+    (HELLO + b"\n" + b'{"text": "caf\xe9"}\n', "data.jsonl:2: not UTF-8 (byte 0xE9 at column 14)"),
+    ('{"text": "hello"}\n'.encode("utf-16"), "data.jsonl:1: a NUL byte at column 4, so this is a binary or UTF-16 "
+                                            "file; expected UTF-8 text"),
+    (HELLO + b"\n" + NESTED + b"\n", "data.jsonl:2: JSON nested too deeply to read"),
+    (b'{"text": "a \\ud800 b"}\n', "data.jsonl:1: the text holds a lone surrogate, U+D800, at position 2"),
+    (b'{"messages": [{"role": "user", "content": "\\udfff"}, {"role": "assistant", "content": "Hi"}]}\n',
+     "data.jsonl:1: messages[0]['content'] holds a lone surrogate, U+DFFF"),
+    (b'{"prompt": "Capital of Peru?", "completion": ""}\n',
+     "data.jsonl:1: the completion is empty; it would teach the model to end its reply at once"),
+    (b'{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " "}]}\n',
+     "data.jsonl:1: messages[1] is an empty assistant turn; it would teach the model to end its turn at once"),
+], ids=["binary", "latin-1", "utf-16", "nested", "surrogate", "chat-surrogate", "empty-completion", "empty-turn"])
+def test_undecodable_data_and_empty_targets_are_named(smollm2, tmp_path, content, message):
+    """Issue 19, items 8 and 10: each a DataError naming the file and the line, no traceback of another kind."""
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DataError) as error:
+        load_documents(path, smollm2.tokenizer, 16)
+    assert f"{tmp_path}/{message}" in str(error.value)
+
+
+def test_a_utf8_byte_order_mark_is_read_past(smollm2, tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + HELLO + b"\r\n" + HELLO + b"\n")
+    documents, _ = load_documents(path, smollm2.tokenizer, 16)
+    assert [d.source for d in documents] == [f"{path}:1", f"{path}:2"]
+
+
 def test_truncation_is_counted(smollm2, tmp_path):
     path = write_jsonl(tmp_path / "data.jsonl", [{"text": "short"}, {"text": "word " * 40}, {"text": "word " * 30}])
     with pytest.warns(UserWarning, match="2 of 3 records were truncated to seq_len=16"):

@@ -3,6 +3,7 @@ down and teaches SmolLM2 a fact, and the `linnet-jax finetune` command."""
 
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -145,3 +146,92 @@ def test_finetune_command(tiny_chat, chat_data, tmp_path):
     empty.write_text("")
     failed = run_cli("--data", str(empty), "--model", str(model_dir), str(tmp_path / "never"))
     assert failed.returncode == 1 and f"linnet-jax finetune: error: {empty}: the file is empty" in failed.stderr
+
+
+# ---- issue 19: hostile settings and an existing OUT_DIR ----
+
+ONE_STEP = dict(steps=1, batch_size=2, seq_len=64, lr=3e-3, progress=False)
+
+
+def test_finetune_refuses_a_non_empty_out_dir(tiny_chat, chat_data, tmp_path):
+    """A user's files are never replaced unless asked: overwrite=True replaces what finetune writes, and only
+    that (item 2)."""
+    out = tmp_path / "out"
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "config.json").write_text("mine\n")
+    (out / "metrics.jsonl").write_text('{"step": 1, "note": "mine"}\n')
+    with pytest.raises(FileExistsError, match=f"{out} already exists and is not empty; pass resume=True "
+                                              r"\(--resume\) to continue the run there, overwrite=True"):
+        train.finetune(tiny_chat, chat_data, out, **ONE_STEP)
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1, "note": "mine"}\n'
+    result = train.finetune(tiny_chat, chat_data, out, overwrite=True, **ONE_STEP)
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert (out / "model" / "config.json").read_text() == "mine\n" and len(result.metrics) == 1
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--lr", "nan"], "argument --lr: must be a finite number > 0, got nan"),
+    (["--lr", "inf"], "argument --lr: must be a finite number > 0, got inf"),
+    (["--lr", "-1"], "argument --lr: must be a finite number > 0, got -1"),
+    (["--lora-alpha", "nan"], "argument --lora-alpha: must be a finite number > 0, got nan"),
+    (["--warmup", "-5"], "argument --warmup: must be an int ≥ 0, got -5"),
+    (["--save-every", "-1"], "argument --save-every: must be a positive int, got -1"),
+    (["--save-every", "0"], "argument --save-every: must be a positive int, got 0"),
+    (["--steps", "0"], "argument --steps: must be a positive int, got 0"),
+    (["--steps", "-1"], "argument --steps: must be a positive int, got -1"),
+    (["--batch-size", "0"], "argument --batch-size: must be a positive int, got 0"),
+    (["--batch-size", "-2"], "argument --batch-size: must be a positive int, got -2"),
+    (["--accum-steps", "0"], "argument --accum-steps: must be a positive int, got 0"),
+    (["--resume", "--overwrite"], "argument --overwrite: not allowed with argument --resume"),
+])
+def test_finetune_flags_are_refused_at_parse_time(tmp_path, capsys, flags, expected):
+    """Items 7 and 8: exit status 2 naming the flag, before anything is loaded or written."""
+    from linnet_jax import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["finetune", "--data", str(tmp_path / "none.jsonl"), *flags, str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"linnet-jax finetune: error: {expected}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_finetune_command_refuses_a_non_empty_out_dir_before_loading(tmp_path):
+    out = tmp_path / "out"
+    (out / "adapter").mkdir(parents=True)
+    failed = run_cli("--data", str(tmp_path / "none.jsonl"), "--model", str(tmp_path / "no-model"), str(out))
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr
+    assert f"linnet-jax finetune: error: {out} already exists and is not empty; pass resume=True (--resume)" in \
+        failed.stderr
+
+
+def test_a_diverging_run_stops_with_a_clear_error(tiny_chat, chat_data, tmp_path):
+    """An infinite learning rate (what --lr refuses, through the Python API): the loss turns NaN at step 2 (item 7)."""
+    with pytest.raises(train.Diverged, match=r"step 2: the loss is nan and the gradient norm nan: training diverged "
+                                             r"\(at a learning rate of .*\); nothing of this step was saved \(the "
+                                             r"last checkpoint is step 1\)\. Lower the learning rate \(--lr\)"):
+        train.finetune(tiny_chat, chat_data, tmp_path / "run", **ONE_STEP | dict(steps=3, lr=float("inf")))
+
+
+def test_resume_refuses_other_settings_unless_anyway(tiny_chat, chat_data, tmp_path):
+    """The data position saved with a checkpoint means nothing with other data, rows or dtype (item 9); a metrics
+    line finetune did not write is named (item 8)."""
+    run = tmp_path / "run"
+    train.finetune(tiny_chat, chat_data, run, **ONE_STEP)
+    other_data = write_jsonl(tmp_path / "other.jsonl", fact_records(2))
+    bfloat16 = dataclasses.replace(tiny_chat, config=dataclasses.replace(tiny_chat.config, dtype="bfloat16"),
+                                   params=jax.tree.map(lambda w: w.astype(jnp.bfloat16), tiny_chat.params))
+    for model, data, changes, expected in [
+            (tiny_chat, chat_data, dict(seq_len=128), "--seq-len (seq_len: 64 then, 128 now)"),
+            (tiny_chat, chat_data, dict(batch_size=1), "--batch-size (batch_size: 2 then, 1 now)"),
+            (tiny_chat, other_data, {}, "--data (data_sha256: '"),
+            (bfloat16, chat_data, {}, "--dtype (dtype: 'float32' then, 'bfloat16' now)")]:
+        with pytest.raises(ValueError, match=re.escape(f"the checkpoint of step 1 in {run / 'checkpoints'} was saved "
+                                                       "with other settings") + ".*" + re.escape(expected)):
+            train.finetune(model, data, run, resume=True, **ONE_STEP | dict(steps=2) | changes)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"loss": 2.0}\n')
+    with pytest.raises(train.DataError, match=re.escape(f'{run / "metrics.jsonl"}:2: expected a JSON object with an '
+                                                        'int "step", as finetune writes')):
+        train.finetune(tiny_chat, chat_data, run, resume=True, **ONE_STEP | dict(steps=2))
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    resumed = train.finetune(tiny_chat, other_data, run, resume_anyway=True, **ONE_STEP | dict(steps=2))
+    assert [m["step"] for m in resumed.metrics] == [1, 2]

@@ -10,12 +10,13 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from linnet_jax.files import prepare_target, write_json
+from linnet_jax.files import prepare_target, staged, write_json
 from linnet_jax.models.lora import Lora, lora_config_of, split_shape
 from linnet_jax.models.params import LayerParams, declared, to_hf_layer_tensor
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
 PREFIX = "base_model.model."
+WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"  # what an export writes (and overwrites)
 
 
 def peft_state(lora: Lora) -> dict[str, np.ndarray]:
@@ -49,16 +50,18 @@ def peft(model, lora: Lora, out_dir, *, base: str | None = None, dtype=None, ove
     base: the base model's name or path recorded in adapter_config.json (PEFT and vLLM take the base model
     separately, so it is informational). dtype: None keeps the adapters' dtype; a numpy dtype name casts.
     A rank outside vLLM's choices (1, 8, 16, 32, ...) warns: PEFT loads it, vLLM does not.
+    overwrite: an existing non-empty out_dir is a FileExistsError unless True (then only the two files are
+    replaced; both are written under a temporary name first).
     """
     rank = lora_config_of(lora).rank
     check_shapes(model.config, lora, rank)
     target = prepare_target(out_dir, overwrite)
-    target.mkdir(exist_ok=True)
     if rank not in VLLM_RANKS:
         warnings.warn(f"LoRA rank {rank} is not one vLLM serves (max_lora_rank choices {VLLM_RANKS})", stacklevel=2)
     state = {name: tensor.astype(dtype or tensor.dtype) for name, tensor in peft_state(lora).items()}
-    save_file(state, target / "adapter_model.safetensors", metadata={"format": "pt"})
-    write_json(target / "adapter_config.json", adapter_config(lora, base))
+    with staged(target, (WEIGHTS, CONFIG)) as written:
+        save_file(state, written / WEIGHTS, metadata={"format": "pt"})
+        write_json(written / CONFIG, adapter_config(lora, base))
     return target
 
 

@@ -8,9 +8,9 @@ from linnet_jax.train.data import Batches, DataError, Document, load_documents, 
 from linnet_jax.train.lora import init_lora, merge_lora
 from linnet_jax.train.step import (TrainState, gradients, init_state, learning_rate, loss, loss_sum, make_train_step,
                                    optimizer, positions_from_segments, shard_batch, token_losses)
-from linnet_jax.train.loop import Result, finetune
+from linnet_jax.train.loop import Diverged, Result, finetune
 
-__all__ = ["TARGETS", "Batches", "Checkpoints", "DataError", "Document", "Lora", "LoraConfig", "Result", "TrainState",
-           "finetune", "gradients", "init_lora", "init_state", "learning_rate", "load_documents", "loss", "loss_sum",
+__all__ = ["TARGETS", "Batches", "Checkpoints", "DataError", "Diverged", "Document", "Lora", "LoraConfig", "Result",
+           "TrainState", "finetune", "gradients", "init_lora", "init_state", "learning_rate", "load_documents", "loss", "loss_sum",
            "make_train_step", "merge_lora", "optimizer", "pack", "positions_from_segments", "shard_batch",
            "token_losses"]

@@ -4,6 +4,8 @@
       <step>/state/   the step, the trained arrays (params, or the LoRA adapters over a frozen base) and the
                       optimizer state, written by Orbax (StandardSave)
       <step>/data/    the data iterator's position (JSON), so a resumed run sees the same batches
+      <step>/settings/  what that position means something with (JSON): the data file's sha256, how it is cut into
+                      batches, the params' dtype (see loop.py's run_settings), checked when a run resumes
 
 Restoring takes its shapes, dtypes and placements from a fresh state, so a checkpoint saved on one mesh
 restores onto another (e.g. fsdp=8 onto data=2 × fsdp=4).
@@ -21,6 +23,15 @@ def saved_part(state: TrainState) -> dict:
     return {"step": state.step, "trained": state.trained, "opt_state": state.opt_state}
 
 
+def latest_saved_step(directory: Path) -> int | None:
+    """The last step whose checkpoint is in `directory` (None when none is, or there is no such directory),
+    read without opening (and so creating) it."""
+    import orbax.checkpoint as ocp
+
+    steps = ocp.utils.checkpoint_steps(directory) if directory.is_dir() else []
+    return max(steps, default=None)
+
+
 class Checkpoints:
     """A run's checkpoints. save() after each step (it saves only every `save_every` steps, or when forced);
     restore() returns the state and data position of the latest (or a given) step."""
@@ -31,14 +42,25 @@ class Checkpoints:
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(save_interval_steps=save_every, max_to_keep=keep, create=True,
                                                enable_async_checkpointing=False)
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data", "settings"))
 
-    def save(self, state: TrainState, data_state: dict, *, force: bool = False) -> bool:
-        """Save at state.step when it is due (or force); returns whether it saved."""
+    def save(self, state: TrainState, data_state: dict, *, settings: dict | None = None, force: bool = False) -> bool:
+        """Save at state.step when it is due (or force), with the run's settings when given; returns whether it
+        saved."""
         import orbax.checkpoint as ocp
 
-        args = ocp.args.Composite(state=ocp.args.StandardSave(saved_part(state)), data=ocp.args.JsonSave(data_state))
-        return self.manager.save(int(state.step), args=args, force=force)
+        items = {"state": ocp.args.StandardSave(saved_part(state)), "data": ocp.args.JsonSave(data_state)}
+        if settings is not None:
+            items["settings"] = ocp.args.JsonSave(settings)
+        return self.manager.save(int(state.step), args=ocp.args.Composite(**items), force=force)
+
+    def settings(self, step: int) -> dict | None:
+        """The settings saved with a step's checkpoint; None when it has none."""
+        import orbax.checkpoint as ocp
+
+        if not (self.directory / str(step) / "settings").is_dir():
+            return None
+        return dict(self.manager.restore(step, args=ocp.args.Composite(settings=ocp.args.JsonRestore()))["settings"])
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

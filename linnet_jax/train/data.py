@@ -1,6 +1,6 @@
 """Training data: JSON Lines → token documents with loss masks → rows of a fixed length → batches.
 
-Each line of the file is one record, in one of three forms:
+Each line of the file (UTF-8) is one record, in one of three forms:
   {"messages": [{"role": ..., "content": ...}, ...]}  chat, rendered with the model's chat template;
                                                        only the assistant turns count in the loss
   {"prompt": "...", "completion": "..."}              only the completion (and an EOS) counts
@@ -17,6 +17,7 @@ the documents (seed, epoch); its position, `get_state()`, is two ints that `set_
 grain's checkpointable iterators do.
 """
 
+import codecs
 import dataclasses
 import json
 import warnings
@@ -41,22 +42,40 @@ class DataError(ValueError):
     """Bad training data; the message names the file, the line and what was expected."""
 
 
-def read_jsonl(path) -> list[tuple[str, dict]]:
+def json_lines(path: Path) -> list[tuple[str, object]]:
+    """The JSON value on each non-blank line of a UTF-8 file (after a UTF-8 byte-order mark, if any), with where
+    it came from ("file:line"). A line that holds a NUL byte (a binary or UTF-16 file), is not UTF-8, is not
+    JSON or is nested too deeply to read is a DataError naming it."""
+    values = []
+    for number, line in enumerate(path.read_bytes().removeprefix(codecs.BOM_UTF8).split(b"\n"), 1):
+        where = f"{path}:{number}"
+        if (nul := line.find(0)) >= 0:
+            raise DataError(f"{where}: a NUL byte at column {nul + 1}, so this is a binary or UTF-16 file; expected "
+                            "UTF-8 text")
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise DataError(f"{where}: not UTF-8 (byte 0x{line[error.start]:02X} at column {error.start + 1}); "
+                            "expected UTF-8 text") from None
+        if not text.strip():
+            continue
+        try:
+            values.append((where, json.loads(text)))
+        except json.JSONDecodeError as error:
+            raise DataError(f"{where}: not JSON ({error.msg} at column {error.colno}); expected one JSON object "
+                            "per line") from None
+        except RecursionError:
+            raise DataError(f"{where}: JSON nested too deeply to read; expected one record per line, a few levels "
+                            "deep") from None
+    return values
+
+
+def read_jsonl(path) -> list[tuple[str, object]]:
     """The records of a JSON Lines file with where each came from ("file:line"); blank lines are skipped."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such data file")
-    records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataError(f"{where}: not JSON ({error.msg} at column {error.colno}); expected one JSON object "
-                            "per line") from None
-        records.append((where, record))
+    records = json_lines(path)
     if not records:
         raise DataError(f"{path}: the file is empty; expected JSON Lines, one record per line: "
                         '{"messages": [...]}, {"prompt": ..., "completion": ...} or {"text": ...}')
@@ -68,6 +87,8 @@ def encode_record(record, tokenizer, where: str) -> Document:
     if isinstance(record, dict) and isinstance(record.get("messages"), list):
         return chat_document(record["messages"], tokenizer, where)
     if isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str):
+        if not record["completion"].strip():
+            raise DataError(f"{where}: the completion is empty; it would teach the model to end its reply at once")
         prompt = tokenizer.encode(record["prompt"], add_special_tokens=True)
         return document([(prompt, 0), (tokenizer.encode(record["completion"]) + eos(tokenizer), 1)], where)
     if isinstance(record, dict) and isinstance(record.get("text"), str):
@@ -103,6 +124,10 @@ def chat_document(messages: list, tokenizer, where: str) -> Document:
     turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
     if not turns:
         raise DataError(f"{where}: the conversation has no assistant turn, so nothing would be learned from it")
+    for i in turns:
+        if not messages[i]["content"].strip() and not messages[i].get("tool_calls"):
+            raise DataError(f"{where}: messages[{i}] is an empty assistant turn; it would teach the model to end its "
+                            "turn at once")
     if turns[0] == 0:
         raise DataError(f"{where}: the conversation starts with an assistant turn; expected a system or user turn "
                         "before it")
@@ -130,7 +155,12 @@ def load_documents(path, tokenizer, seq_len: int, *, truncate: bool = False) -> 
     counted (and a warning says how many were)."""
     documents, truncated = [], 0
     for where, record in read_jsonl(path):
-        doc = encode_record(record, tokenizer, where)
+        try:
+            doc = encode_record(record, tokenizer, where)
+        except DataError:
+            raise
+        except ValueError as error:  # the tokenizer's or the chat template's, e.g. a lone surrogate in a string
+            raise DataError(f"{where}: {error}") from error
         if len(doc.tokens) > seq_len:
             if not truncate:
                 raise DataError(f"{where}: the record is {len(doc.tokens)} tokens long, longer than seq_len={seq_len}; "

@@ -4,10 +4,16 @@
     out_dir/
       metrics.jsonl   one JSON line per step: step, loss, grad_norm, tokens, lr (and tokens_per_s)
       checkpoints/    Orbax checkpoints (see checkpoints.py); resume=True continues from the latest
+
+A non-empty out_dir is refused unless the run resumes there (resume=True) or starts again over what finetune
+writes there (overwrite=True).
 """
 
 import dataclasses
+import hashlib
 import json
+import math
+import shutil
 import time
 from pathlib import Path
 
@@ -16,8 +22,8 @@ from tqdm import tqdm
 
 from linnet_jax.loaded import Model
 from linnet_jax.models.lora import LoraConfig
-from linnet_jax.train.checkpoints import Checkpoints
-from linnet_jax.train.data import Batches, load_documents
+from linnet_jax.train.checkpoints import Checkpoints, latest_saved_step
+from linnet_jax.train.data import Batches, DataError, json_lines, load_documents
 from linnet_jax.train.lora import merge_lora
 from linnet_jax.train.step import TrainState, init_state, make_train_step, optimizer, shard_batch
 
@@ -34,13 +40,77 @@ class Result:
     truncated: int
 
 
+# What finetune and `linnet-jax finetune` write in out_dir: what overwrite=True replaces.
+OUTPUTS = ("metrics.jsonl", "checkpoints", "model", "adapter")
+# The settings a checkpoint's data position means something with (run_settings), and the flag of each.
+SETTING_FLAGS = {"data_sha256": "--data", "seq_len": "--seq-len", "batch_size": "--batch-size",
+                 "accum_steps": "--accum-steps", "packing": "--no-packing", "seed": "--seed", "dtype": "--dtype"}
+
+
+def check_out_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to run in `out` when it is not a directory, or is a non-empty one and the run neither resumes
+    (resume) nor starts again over what finetune writes there (overwrite): an error naming it."""
+    if resume and overwrite:
+        raise ValueError("resume and overwrite exclude each other: resume continues the run in out_dir, overwrite "
+                         "starts again")
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out} is not a directory; expected the output directory of a run")
+    if resume or overwrite or not out.exists() or not any(out.iterdir()):
+        return
+    latest = latest_saved_step(out / "checkpoints")
+    run = "" if latest is None else f": {out / 'checkpoints'} holds checkpoints (last step {latest})"
+    raise FileExistsError(f"{out} already exists and is not empty{run}; pass resume=True (--resume) to continue the "
+                          f"run there, overwrite=True (--overwrite) to start again over what finetune writes there "
+                          f"({', '.join(OUTPUTS)}), or choose another output directory")
+
+
 def read_metrics(path: Path, through: int) -> list[dict]:
     """The metrics lines of steps 1..through (a resumed run drops what an interrupted one logged after its
-    last checkpoint)."""
+    last checkpoint); a line that is not one finetune wrote is a DataError naming it."""
     if not path.is_file():
         return []
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = []
+    for where, line in json_lines(path):
+        if not (isinstance(line, dict) and isinstance(line.get("step"), int)):
+            raise DataError(f'{where}: expected a JSON object with an int "step", as finetune writes, got {line!r:.80}')
+        lines.append(line)
     return [line for line in lines if line["step"] <= through]
+
+
+def run_settings(model: Model, data, *, seq_len: int, batch_size: int, accum_steps: int, packing: bool,
+                 seed: int) -> dict:
+    """What a checkpoint's data position means something with: the data file's contents (sha256), how its
+    records are cut into batches, and the params' dtype."""
+    with open(data, "rb") as file:
+        digest = hashlib.file_digest(file, "sha256").hexdigest()
+    return {"data_sha256": digest, "seq_len": seq_len, "batch_size": batch_size, "accum_steps": accum_steps,
+            "packing": packing, "seed": seed, "dtype": model.config.dtype}
+
+
+def check_settings(saved: dict | None, settings: dict, where: str) -> None:
+    """A ValueError naming each setting of this run that differs from those a checkpoint was saved with."""
+    saved = saved or {}
+    changed = [f"{SETTING_FLAGS[name]} ({name}: {saved.get(name)!r} then, {value!r} now)"
+               for name, value in settings.items() if saved.get(name) != value]
+    if changed:
+        raise ValueError(f"{where} was saved with other settings, so its data position means nothing in this run: "
+                         f"{'; '.join(changed)}. Resume with the settings it was saved with, or pass "
+                         "resume_anyway=True (--resume-anyway) to resume regardless")
+
+
+class Diverged(ValueError):
+    """A step's loss or gradient norm is not finite: training diverged."""
+
+
+def check_finite(record: dict, checkpoints: Checkpoints) -> None:
+    """A Diverged error when a step's loss or gradient norm is not finite, naming the step and the last checkpoint."""
+    if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
+        latest = checkpoints.latest_step()
+        raise Diverged(f"step {record['step']}: the loss is {record['loss']} and the gradient norm "
+                       f"{record['grad_norm']}: training diverged (at a learning rate of {record['lr']:.3g}); nothing "
+                       "of this step was saved ("
+                       + ("no checkpoint yet" if latest is None else f"the last checkpoint is step {latest}")
+                       + "). Lower the learning rate (--lr) and start again")
 
 
 def tuned_model(model: Model, state: TrainState) -> Model:
@@ -51,32 +121,45 @@ def tuned_model(model: Model, state: TrainState) -> Model:
 
 def finetune(model: Model, data, out_dir, *, lora: LoraConfig | None = LoraConfig(), steps: int = 100,
              batch_size: int = 4, seq_len: int = 512, lr: float = 1e-4, warmup: int = 0, accum_steps: int = 1,
-             save_every: int = 100, keep: int = 3, resume: bool = False, seed: int = 0, packing: bool = True,
-             truncate: bool = False, remat: bool = False, compute_dtype=None, progress: bool = True) -> Result:
+             save_every: int = 100, keep: int = 3, resume: bool = False, resume_anyway: bool = False,
+             overwrite: bool = False, seed: int = 0, packing: bool = True, truncate: bool = False,
+             remat: bool = False, compute_dtype=None, progress: bool = True) -> Result:
     """Fine-tune `model` (a Model with a tokenizer) on the JSON Lines file `data`, writing out_dir as the module
     docstring lays out; returns the last state and the fine-tuned model.
 
     lora: adapters of that rank and alpha on its targets (default rank 8, alpha 16, all seven projections);
     None trains every weight. A step runs accum_steps micro-batches of batch_size rows of seq_len tokens
     (packed unless packing=False), one at a time: one update over batch_size × accum_steps rows. The learning
-    rate warms up over `warmup` steps, then decays by a cosine to a tenth at `steps`. resume=True continues
-    from the latest checkpoint in out_dir/checkpoints (step, weights, optimizer state, data position); without
-    it an out_dir that has checkpoints is an error.
+    rate warms up over `warmup` steps, then decays by a cosine to a tenth at `steps`.
+    out_dir must be empty or new, unless: resume=True continues from the latest checkpoint in
+    out_dir/checkpoints (step, weights, optimizer state, data position), and appends to its metrics, refusing
+    a checkpoint saved with other settings (`run_settings`: the data, seq_len, batch_size, ...) unless
+    resume_anyway=True (which implies resume); overwrite=True starts again, replacing out_dir's metrics.jsonl
+    and checkpoints/ (`linnet-jax finetune` then replaces its model/ and adapter/ exports) and leaving anything
+    else there.
+    A step whose loss or gradient norm is not finite stops the run with a `Diverged` error.
     """
     if model.tokenizer is None:
         raise ValueError("finetune needs a model with a tokenizer to encode the data")
     out = Path(out_dir)
+    resume = resume or resume_anyway
+    check_out_dir(out, resume=resume, overwrite=overwrite)
     documents, truncated = load_documents(data, model.tokenizer, seq_len, truncate=truncate)
+    settings = run_settings(model, data, seq_len=seq_len, batch_size=batch_size, accum_steps=accum_steps,
+                            packing=packing, seed=seed)
     batches = Batches(documents, batch_size * accum_steps, seq_len, seed=seed, packing=packing)
     tx = optimizer(lr, steps=steps, warmup=warmup)
     state = init_state(model, tx, lora=lora, seed=seed)
     step_fn = make_train_step(tx, lora=lora, accum_steps=accum_steps, compute_dtype=compute_dtype, remat=remat)
     metrics_path = out / "metrics.jsonl"
+    if overwrite:
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+        metrics_path.unlink(missing_ok=True)
     with Checkpoints(out / "checkpoints", save_every=save_every, keep=keep) as checkpoints:
-        if checkpoints.latest_step() is not None and not resume:
-            raise FileExistsError(f"{out / 'checkpoints'} holds checkpoints (last step {checkpoints.latest_step()}); "
-                                  "pass resume=True (--resume) to continue, or choose another output directory")
-        if resume and checkpoints.latest_step() is not None:
+        if resume and (latest := checkpoints.latest_step()) is not None:
+            if not resume_anyway:
+                check_settings(checkpoints.settings(latest), settings,
+                               f"the checkpoint of step {latest} in {checkpoints.directory}")
             state, position = checkpoints.restore(state)
             batches.set_state(position)
         done = int(state.step)
@@ -91,10 +174,11 @@ def finetune(model: Model, data, out_dir, *, lora: LoraConfig | None = LoraConfi
                 state, metrics = step_fn(state, shard_batch(batch, state.layout))
                 record = {"step": int(state.step), **{k: float(v) for k, v in jax.device_get(metrics).items()}}
                 record["tokens_per_s"] = int((batch["segment_ids"] > 0).sum()) / (time.perf_counter() - start)
+                check_finite(record, checkpoints)
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 history.append(record)
-                checkpoints.save(state, batches.get_state(), force=record["step"] == steps)
+                checkpoints.save(state, batches.get_state(), settings=settings, force=record["step"] == steps)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
                 bar.update()
     return Result(state, tuned_model(model, state), history, truncated)
