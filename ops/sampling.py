@@ -31,13 +31,23 @@ def penalize_repeats(logits: jax.Array, seen: jax.Array, penalty: jax.Array) -> 
 
 
 def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
-    """Tempered logits with every token outside the top-k / top-p / min-p set at -inf. [B, V] → [B, V]."""
+    """Tempered logits with every token outside the top-k / top-p / min-p set at -inf. [B, V] → [B, V].
+
+    The most likely token is always kept (a top_p that float32 flushes to zero keeps it alone). The [B, V] sort
+    runs only when some row filters."""
     scaled = logits / jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+    filtering = jnp.any((params.top_k > 0) | (params.top_p < 1) | (params.min_p > 0))
+    return jax.lax.cond(filtering, lambda: outside_filters_dropped(scaled, params), lambda: scaled)
+
+
+def outside_filters_dropped(scaled: jax.Array, params: SamplingParams) -> jax.Array:
+    """`scaled` [B, V] with every token outside the top-k / top-p / min-p set at -inf."""
     ranked = -jnp.sort(-scaled, axis=-1)  # descending, [B, V]
     rank = jnp.arange(scaled.shape[-1])
     ranked = jnp.where((params.top_k[:, None] == 0) | (rank < params.top_k[:, None]), ranked, -jnp.inf)
     probs = jax.nn.softmax(ranked, axis=-1)
-    ranked = jnp.where(jnp.cumsum(probs, axis=-1) - probs < params.top_p[:, None], ranked, -jnp.inf)
+    in_nucleus = (rank == 0) | (jnp.cumsum(probs, axis=-1) - probs < params.top_p[:, None])
+    ranked = jnp.where(in_nucleus, ranked, -jnp.inf)
     probs = jax.nn.softmax(ranked, axis=-1)
     ranked = jnp.where(probs >= params.min_p[:, None] * probs[:, :1], ranked, -jnp.inf)
     kept = jnp.maximum(jnp.sum(jnp.isfinite(ranked), axis=-1), 1)  # the kept set is a prefix of the ranking

@@ -99,10 +99,16 @@ PROBS = np.array([0.3, 0.25, 0.2, 0.1, 0.08, 0.05, 0.02])
     (dict(top_k=5, min_p=0.3), {0, 1, 2, 3}),  # ≥ 0.09
     (dict(top_k=2, top_p=0.9), {0, 1}),
     (dict(top_k=0), set(range(7))),
+    (dict(top_p=1e-39), {0}),  # a float32 subnormal, flushed to zero: still the most likely token
 ])
 def test_sampling_never_leaves_its_allowed_set(settings, allowed):
     chosen = draws(np.log(PROBS), 4000, **settings)
     assert set(chosen.tolist()) == allowed  # every allowed token drawn, nothing else
+
+
+def test_sampling_without_filters_skips_the_sort_and_draws_the_same():
+    """No row filters: the tempered logits as they are; the same draws as a filter that keeps everything."""
+    assert (draws(np.log(PROBS), 500) == draws(np.log(PROBS), 500, top_k=7)).all()
 
 
 def test_sampling_follows_the_distribution():
