@@ -10,6 +10,7 @@ import argparse
 import json
 import io
 import re
+import socket
 import sys
 import time
 from pathlib import Path
@@ -56,11 +57,14 @@ def parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", parents=[source], help="an OpenAI-compatible HTTP server")
     serve.add_argument("--dtype", default=None, choices=DTYPES)
     serve.add_argument("--slots", type=positive_int, default=16, help="requests decoded together (cache rows)")
-    serve.add_argument("--max-len", type=positive_int, default=640, help="positions per slot: prompt + new tokens")
+    serve.add_argument("--max-len", type=positive_int, default=None,
+                       help="positions per slot: prompt + new tokens (default 640, or the model's context if shorter)")
     serve.add_argument("--max-queue", type=positive_int, default=256, help="waiting requests before 429s")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=port, default=8000)
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
+    serve.add_argument("--max-request-bytes", type=positive_int, default=None,
+                       help="the largest request body taken; larger ones are answered 413 (default 1 MiB)")
     serve.add_argument("--shutdown-deadline", type=non_negative_float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM/SIGINT before they are cancelled")
     serve.add_argument("--prefill-batch", type=positive_int, default=4, help="prompts prefilled in one dispatch")
@@ -132,12 +136,19 @@ def check_flags(arguments: argparse.ArgumentParser, args) -> None:
     if args.command == "serve":
         from linnet_jax.speculative import speculative_config
 
-        if args.max_len < MIN_BUCKET:
+        from linnet_jax.serve.errors import check_api_key
+
+        if args.max_len is not None and args.max_len < MIN_BUCKET:
             arguments.error(f"--max-len must be at least {MIN_BUCKET}, got {args.max_len}")
         try:
             speculative_config(args.speculative_config, "--speculative-config")
+            check_api_key(args.api_key, "--api-key")
         except ValueError as error:
             arguments.error(str(error))
+        try:
+            check_address(args.host, args.port)
+        except OSError as error:
+            arguments.error(f"cannot listen on --host {args.host} --port {args.port}: {error}")
         return
 
     if args.raw and args.system:
@@ -146,6 +157,16 @@ def check_flags(arguments: argparse.ArgumentParser, args) -> None:
         make_sampling(1, args.temperature, args.top_k, args.top_p, args.min_p, 1.0, args.seed)
     except (ValueError, TypeError, OverflowError) as error:
         arguments.error(str(error))
+
+
+def check_address(host: str, port: int) -> None:
+    """That a server can listen on host:port: each address it resolves to is bound, then released at once (an
+    OSError says why not: an unknown host, an address of another machine, a port in use)."""
+    for family, kind, protocol, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                  flags=socket.AI_PASSIVE):
+        with socket.socket(family, kind, protocol) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
 
 
 def add_finetune(command: argparse.ArgumentParser) -> None:
@@ -287,26 +308,31 @@ def run(args) -> int:
 
 
 def serve(model, args) -> int:
-    """Warm an Engine up and serve it over HTTP until SIGTERM or SIGINT (then drain; exit status 0)."""
+    """Warm an Engine up and serve it over HTTP until SIGTERM or SIGINT (then drain; exit status 0). Settings the
+    engine refuses exit 2; an engine that fails (out of memory, say), at warm-up or later, exits 1: one line each."""
     from linnet_jax.load import DEFAULT_MODEL
     from linnet_jax.serve import Engine
     from linnet_jax.serve.app import create_app
     from linnet_jax.serve.app import serve as run_server
+    from linnet_jax.serve.errors import MAX_REQUEST_BYTES
 
     try:
         engine = Engine(model, slots=args.slots, max_len=args.max_len, max_queue=args.max_queue,
                         prefill_batch=args.prefill_batch, prefill_chunk=args.prefill_chunk,
                         max_step_tokens=args.max_step_tokens, prefix_cache=not args.no_prefix_cache,
                         prefix_cache_gb=args.prefix_cache_gb, speculative=args.speculative_config)
-    except ValueError as error:
-        print(f"linnet-jax serve: error: {error}", file=sys.stderr)
-        return 2
-    start = time.perf_counter()
-    engine.warmup()
-    print(f"engine warmed up in {time.perf_counter() - start:.1f} s ({args.slots} slots of {args.max_len} positions)",
-          file=sys.stderr)
-    app = create_app(engine, model_name=args.model or DEFAULT_MODEL, api_key=args.api_key)
-    run_server(app, engine, host=args.host, port=args.port, deadline=args.shutdown_deadline)
+        start = time.perf_counter()
+        engine.warmup()
+        print(f"engine warmed up in {time.perf_counter() - start:.1f} s ({engine.slots} slots of {engine.max_len} "
+              f"positions)", file=sys.stderr)
+        app = create_app(engine, model_name=args.model or DEFAULT_MODEL, api_key=args.api_key,
+                         max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES)
+        run_server(app, engine, host=args.host, port=args.port, deadline=args.shutdown_deadline)
+    except (ValueError, RuntimeError, MemoryError) as error:
+        if args.debug:
+            raise
+        print(f"linnet-jax serve: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2 if isinstance(error, ValueError) else 1
     return 0
 
 

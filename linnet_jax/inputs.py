@@ -18,6 +18,7 @@ from linnet_jax.ops import SamplingParams
 MIN_BUCKET = 16
 STOP_ID_SLOTS = 16  # stop ids travel as a fixed-size array, padded with -1
 SEED_RANGE = (-(2**63), 2**63)  # every signed 64-bit seed is its own stream
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings a request may give, and the characters of each
 
 
 class RequestError(ValueError):
@@ -99,7 +100,9 @@ def make_prompts(model: Model, prompt, tokens, chat: bool | None) -> Prompts:
     if (prompt is None) == (tokens is None):
         raise RequestError("prompt", "give exactly one of prompt (text or conversations) and tokens (lists of ids)")
     if tokens is not None:
-        single = len(tokens) > 0 and all(isinstance(t, (int, np.integer)) for t in tokens)
+        if len(tokens) == 0:
+            raise RequestError("tokens", "tokens is an empty list; expected a list of ids or a list of id lists")
+        single = all(isinstance(t, (int, np.integer)) for t in tokens)
         rows = [list(tokens)] if single else [list(row) for row in tokens]
         for i, row in enumerate(rows):
             as_token_batch(row, model.config.vocab_size, name=f"tokens[{i}]")
@@ -149,7 +152,11 @@ def per_row(field: str, value, batch: int, dtype) -> np.ndarray:
     """A number, or one per row, as a [batch] array of dtype."""
     try:
         array = np.asarray(value, dtype)
-    except (TypeError, ValueError, OverflowError) as error:
+    except OverflowError as error:
+        limits = np.iinfo(dtype) if np.issubdtype(dtype, np.integer) else np.finfo(dtype)
+        raise RequestError(field, f"{field} must be in [{limits.min}, {limits.max}] ({np.dtype(dtype).name}), "
+                                  f"got {value!r}") from error
+    except (TypeError, ValueError) as error:
         raise RequestError(field, f"{field} must be a number or one value per prompt, got {value!r}") from error
     if array.ndim == 0:
         return np.full((batch,), array, dtype)
@@ -205,10 +212,16 @@ def make_sampling(batch: int, temperature, top_k, top_p, min_p, repetition_penal
 
 
 def stop_strings(stop, tokenizer) -> tuple[str, ...]:
-    """stop (None, a string or a list of them) as a tuple of non-empty strings; they need a tokenizer."""
+    """stop (None, a string or a list of them) as a tuple of at most MAX_STOPS non-empty strings of at most
+    MAX_STOP_CHARS characters each; they need a tokenizer."""
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > MAX_STOPS:
+        raise RequestError("stop", f"stop holds {len(stops)} strings; at most {MAX_STOPS} are supported")
     if any(not isinstance(s, str) or not s for s in stops):
         raise RequestError("stop", f"stop must be a non-empty string or a list of them, got {stop!r}")
+    if long := next((s for s in stops if len(s) > MAX_STOP_CHARS), None):
+        raise RequestError("stop", f"a stop string holds {len(long)} characters; at most {MAX_STOP_CHARS} are "
+                                   f"supported (it begins {long[:20]!r})")
     if stops and tokenizer is None:
         raise RequestError("stop", "stop strings need a tokenizer; this model has none (use stop_token_ids)")
     return stops

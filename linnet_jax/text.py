@@ -5,7 +5,8 @@ of vLLM's incremental detokenization and of transformers' TextStreamer): the win
 of its first ids is the new text. A window whose text ends in U+FFFD ends inside a multi-byte character,
 so its ids wait for the next. Stop strings are looked for in the new text and the few characters before
 it only, and a reader is shown text up to a settled id, never a partial character or the start of a stop
-string. The work is linear in the output: the text is never rebuilt from the first id.
+string (how much of each stop string the text ends with is kept up to date character by character,
+`StopPrefix`). The work is linear in the output: the text is never rebuilt from the first id.
 """
 
 import bisect
@@ -24,6 +25,36 @@ class Generation:
     tokens: list[int]
     stop_reason: str  # "eos", "stop", "length" (or "cancelled", for the engine's requests)
     logprobs: list[float]
+
+
+class StopPrefix:
+    """How much of one stop string the text so far ends with: the longest prefix of the stop string that is a
+    suffix of the text (`matched`), updated as text is fed (Knuth-Morris-Pratt), linear in the text."""
+
+    def __init__(self, stop: str):
+        self.stop, self.fallback, self.matched = stop, borders(stop), 0
+
+    def feed(self, text: str) -> None:
+        stop, fallback, matched = self.stop, self.fallback, self.matched
+        for char in text:
+            if matched == len(stop):
+                matched = fallback[matched - 1]
+            while matched and stop[matched] != char:
+                matched = fallback[matched - 1]
+            matched += stop[matched] == char
+        self.matched = matched
+
+
+def borders(text: str) -> list[int]:
+    """KMP's failure function: for each i, the length of the longest proper prefix of text[:i + 1] that is
+    also a suffix of it. [len(text)]"""
+    lengths = [0] * len(text)
+    for i in range(1, len(text)):
+        length = lengths[i - 1]
+        while length and text[i] != text[length]:
+            length = lengths[length - 1]
+        lengths[i] = length + (text[i] == text[length])
+    return lengths
 
 
 @dataclasses.dataclass
@@ -55,6 +86,8 @@ class Detokenizer:
         self._prefix_text = ""
         self._searched = 0  # the settled points whose text has been searched for stop strings
         self._overlap = max(map(len, self.stops), default=1) - 1  # characters a stop string may reach back
+        self._prefixes = [StopPrefix(stop) for stop in self.stops]
+        self._fed = 0  # the settled points whose text the StopPrefixes have been fed
 
     def add(self, ids: list[int]) -> None:
         """Decode the new ids (one window each), then look for stop strings in the new text."""
@@ -62,6 +95,7 @@ class Detokenizer:
             self._settle(int(token))
         if self.stops and self.stop_at is None:
             self._find_stop()
+            self._feed_prefixes()
         self.shown = self._last_point(self._visible_chars())
 
     def _settle(self, token: int) -> None:
@@ -98,14 +132,20 @@ class Detokenizer:
             self.stop_at = offset + min(found)
         self._searched = len(self.pieces)
 
+    def _feed_prefixes(self) -> None:
+        """The text settled since the last feed, to each stop string's StopPrefix."""
+        new = self.text_between(self._fed, len(self.pieces))
+        for prefix in self._prefixes:
+            prefix.feed(new)
+        self._fed = len(self.pieces)
+
     def _visible_chars(self) -> int:
         """How much settled text a reader may see: what lies before a stop string, or before the beginning of one
         that the text ends with."""
         end = self.settled_chars[-1]
         if self.stop_at is not None or not self.stops:
             return end if self.stop_at is None else min(end, self.stop_at)
-        tail = self.text_between(self._last_point(end - self._overlap), len(self.pieces))
-        return end - max((n for s in self.stops for n in range(1, len(s)) if tail.endswith(s[:n])), default=0)
+        return end - max(prefix.matched for prefix in self._prefixes)
 
     def _last_point(self, chars: int) -> int:
         """The last settled point at or before `chars` characters."""

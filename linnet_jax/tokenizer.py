@@ -287,10 +287,11 @@ class Tokenizer:
     # ---- use ----
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; special tokens written in the text (e.g. "<|im_start|>") map to their ids."""
+        """Token ids of `text`; special tokens written in the text (e.g. "<|im_start|>") map to their ids. (Through
+        encode_batch, which, unlike encode, lets other Python threads run meanwhile: a server's event loop.)"""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        return self.backend.encode(_encodable(text, "the text"), add_special_tokens=add_special_tokens).ids
+        return self.backend.encode_batch([_encodable(text, "the text")], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Text of `ids` (a sequence or 1-D array of ints); ValueError for an id outside the vocabulary."""

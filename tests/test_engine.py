@@ -1,6 +1,7 @@
 """linnet_jax.serve.Engine: results equal generate's, a warm engine compiles nothing, cancel, queue limit, n, sharded."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -54,6 +55,11 @@ def test_choices_are_the_rows_of_one_seed(tiny_dir):
     with Engine(model, slots=2, max_len=32) as engine:
         handles = [engine.submit(tokens=prompt, max_tokens=10, choice=i, **options) for i in range(3)]
         assert [h.result(timeout=300).tokens for h in handles] == rows
+        start = time.monotonic()  # a choice's key alone is made (10**5 of them took half a minute)
+        engine.submit(tokens=prompt, max_tokens=1, choice=10**5, **options).result(timeout=300)
+        assert time.monotonic() - start < 10
+        with pytest.raises(RequestError, match=r"choice must be an int in \[0, 2\*\*32\)"):
+            engine.submit(tokens=prompt, choice=2**32)
 
 
 def test_streams_sync_and_async_and_cancel(tiny_dir):
@@ -85,6 +91,8 @@ def test_queue_limit_and_bad_requests(tiny_dir):
             engine.submit(tokens=[3] * 64)
         with pytest.raises(ValueError, match="top_logprobs must be"):
             engine.submit(tokens=[3], top_logprobs=21)
+        with pytest.raises(RequestError, match=r"tokens is an empty list; expected"):
+            engine.submit(tokens=[])
         for options, field in ((dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
                                (dict(stop=[""]), "stop"), (dict(stop_token_ids=[10**6]), "stop_token_ids")):
             with pytest.raises(RequestError) as refused:

@@ -67,6 +67,20 @@ def test_refusals_are_request_errors_naming_the_argument(tiny_chat, arguments, f
     assert str(refused.value) == refused.value.message
 
 
+@pytest.mark.parametrize("arguments, field, words", [
+    (dict(top_k=2**40), "top_k", "top_k must be in [-2147483648, 2147483647] (int32), got 1099511627776"),
+    (dict(max_new_tokens=2**63), "max_new_tokens", "exceeds the model's context of 4096 positions"),
+    (dict(prompt=None, tokens=[]), "tokens", "tokens is an empty list; expected a list of ids or a list of id lists"),
+    (dict(stop=""), "stop", "stop must be a non-empty string"),
+    (dict(stop=["."] * 17), "stop", "stop holds 17 strings; at most 16 are supported"),
+    (dict(stop="y" * 257), "stop", "a stop string holds 257 characters; at most 256 are supported"),
+])
+def test_refusals_say_what_was_expected(tiny_chat, arguments, field, words):
+    with pytest.raises(RequestError) as refused:
+        generate(tiny_chat, **({"prompt": "hi"} | arguments))
+    assert refused.value.field == field and words in refused.value.message
+
+
 def test_seeds_are_signed_64_bit(tiny_chat):
     sampled = dict(tokens=[[5, 6, 7]], max_new_tokens=16, temperature=1.0, ignore_eos=True)
     assert generate(tiny_chat, seed=2**32, **sampled) != generate(tiny_chat, seed=0, **sampled)

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,8 +30,8 @@ from hypothesis import strategies as st
 import linnet_jax
 from linnet_jax import generate
 from linnet_jax.cli import main
-from linnet_jax.serve import Engine
-from linnet_jax.serve.app import create_app
+from linnet_jax.serve import Engine, EngineFailed
+from linnet_jax.serve.app import create_app, serve
 from linnet_jax.serve.errors import field_path
 
 MODEL = "test-model"
@@ -74,9 +75,10 @@ def free_socket() -> socket.socket:
 
 
 @contextlib.contextmanager
-def serving(engine: Engine, api_key: str | None = None):
-    """The app on `engine`, served by uvicorn in a thread on a free port: yields its base URL."""
-    app = create_app(engine, model_name=MODEL, api_key=api_key)
+def serving(engine: Engine, **options):
+    """The app on `engine` (create_app's options), served by uvicorn in a thread on a free port: yields its base
+    URL."""
+    app = create_app(engine, model_name=MODEL, **options)
     sock = free_socket()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -304,7 +306,7 @@ BAD_REQUESTS = [  # (path, body, status, param)
     ("/v1/completions", {"prompt": "a lone \ud800"}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "model": "\ud800"}, 404, "model"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
     ("/detokenize", {"tokens": [2**70]}, 400, "tokens"),
     ("/tokenize", {}, 400, "prompt"),
@@ -320,6 +322,38 @@ def test_bad_requests_get_openai_errors_naming_the_field(tiny_server, path, body
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param, error
+
+
+UNCLEAR_BEFORE = [  # (path, body, param, words of the message): each message names the field and what was expected
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages[0].content",
+     "expected a string or a list of text parts"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]},
+                                           {"role": "user", "content": "x"}]},
+     "messages[0].content", "null or missing"),
+    ("/tokenize", {"messages": [{"role": "user"}]}, "messages[0].content", "expected a string"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 2**40}, "top_k", "top_k must be in [-2147483648, 2147483647]"),
+    ("/v1/completions", {"prompt": [[]]}, "prompt", "prompt[0] is an empty list of ids; expected at least one id"),
+    ("/v1/completions", {"prompt": "hi", "stop": ""}, "stop", "stop must be a non-empty string"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["."] * 17}, "stop", "stop holds 17 strings; at most 16"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": "y" * 257}, "stop",
+     "a stop string holds 257 characters; at most 256"),
+]
+
+
+@pytest.mark.parametrize("path, body, param, words", UNCLEAR_BEFORE)
+def test_refusals_name_the_field_and_what_was_expected(tiny_server, path, body, param, words):
+    response = httpx.post(f"{tiny_server}{path}", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_max_completion_tokens_is_the_budget_when_given(tiny_server):
+    """OpenAI's newer name wins over max_tokens (as vLLM has it): a max_tokens of 0 beside it is not an error."""
+    body = dict(prompt="the sea", max_tokens=0, max_completion_tokens=2, ignore_eos=True, temperature=0)
+    response = httpx.post(f"{tiny_server}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
 
 
 def test_user_neutral_values_and_unknown_fields_are_accepted(tiny_server):
@@ -398,6 +432,159 @@ def test_still_serving_after_the_fuzz(tiny_server):
     assert answer.choices[0].finish_reason in ("length", "stop")
 
 
+SIZES = st.sampled_from([0, 1, 16, 256, 257, 4_000, 200_000, 1_200_000])  # 1 MiB is the default body limit
+SIZED_FIELDS = {  # sizes in characters, ids or list items
+    "prompt": SIZES.map(lambda n: "sea " * (n // 4)) | SIZES.map(lambda n: [7] * n)
+    | SIZES.map(lambda n: [[7, 8]] * (n // 8)) | SIZES.map(lambda n: ["sea"] * (n // 4)),
+    "messages": SIZES.map(lambda n: [{"role": "user", "content": "sea " * (n // 4)}])
+    | SIZES.map(lambda n: [{"role": "user", "content": "hi"}] * (n // 16)),
+    "stop": SIZES.map(lambda n: "z" * n) | SIZES.map(lambda n: ["z"] * (n // 16)),
+    "stop_token_ids": SIZES.map(lambda n: [5] * (n // 8)), "tokens": SIZES.map(lambda n: [9] * (n // 8)),
+    "max_tokens": st.integers(1, 8), "top_k": st.integers(-1, 2**70), "seed": st.integers(-2**70, 2**70),
+    "anything": SIZES.map(lambda n: {"x": "y" * n}),
+}
+SIZED_BODIES = st.dictionaries(st.sampled_from(sorted(FIELDS | SIZED_FIELDS)), st.none(), max_size=6).flatmap(
+    lambda keys: st.fixed_dictionaries({key: (FIELDS | SIZED_FIELDS)[key] for key in keys}))
+
+
+def health_while(url: str, action) -> tuple[object, float]:
+    """Run action() in a thread; meanwhile ask /health again and again (each must be a 200): action's result, and
+    the longest /health took, in seconds."""
+    outcome, slowest = [], 0.0
+    thread = threading.Thread(target=lambda: outcome.append(action()))
+    thread.start()
+    while thread.is_alive():
+        start = time.monotonic()
+        assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+        slowest = max(slowest, time.monotonic() - start)
+        time.sleep(0.02)
+    thread.join()
+    assert outcome, "the request raised"
+    return outcome[0], slowest
+
+
+def greedy_text(url: str) -> str:
+    body = dict(model=MODEL, prompt="the sea", max_tokens=12, temperature=0, ignore_eos=True)
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+
+
+def test_fuzz_of_bodies_fields_and_sizes_keeps_health_fast_and_the_text_the_same(tiny_chat, tiny_server):
+    """No 5xx; /health answers within 1 s (generous: the machine may be loaded) while each request is processed;
+    the same greedy text, generate()'s, before and after."""
+    expected = generate(tiny_chat, "the sea", 12, chat=False, ignore_eos=True)
+    assert greedy_text(tiny_server) == expected
+
+    @settings(max_examples=60, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(path=PATHS, body=SIZED_BODIES, stream=st.booleans())
+    def one_request(path, body, stream):
+        content = json.dumps({"max_tokens": 4} | body | ({"stream": True} if stream else {}))
+        response, slowest = health_while(tiny_server, lambda: httpx.post(
+            f"{tiny_server}{path}", content=content, timeout=120, headers={"content-type": "application/json"}))
+        assert response.status_code < 500, (response.status_code, response.text[:500])
+        assert slowest < 1.0, f"/health took {slowest:.2f} s while {path} was processed"
+
+    one_request()
+    assert greedy_text(tiny_server) == expected
+
+
+def test_a_huge_body_is_413_and_a_long_prompt_400_while_health_answers(tiny_server):
+    prompt = "the sea " * 1_250_000  # 10 MB
+    response, slowest = health_while(tiny_server, lambda: httpx.post(
+        f"{tiny_server}/v1/completions", json={"prompt": prompt}, timeout=120))
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large", response.text
+    assert "at most 1048576" in response.json()["error"]["message"] and slowest < 1.0
+    response, slowest = health_while(tiny_server, lambda: httpx.post(  # under the limit, 200000 tokens
+        f"{tiny_server}/v1/completions", json={"prompt": prompt[:800_000]}, timeout=120))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+    assert "max_len=256" in response.json()["error"]["message"] and slowest < 1.0
+
+
+def test_max_request_bytes_is_the_body_limit(tiny_engine):
+    with serving(tiny_engine, max_request_bytes=100) as url:
+        small, large = {"prompt": "hi", "max_tokens": 1}, {"prompt": "hi " * 40, "max_tokens": 1}
+        assert httpx.post(f"{url}/v1/completions", json=small, timeout=60).status_code == 200
+        response = httpx.post(f"{url}/v1/completions", json=large, timeout=60)
+        assert response.status_code == 413, response.text
+        assert "at most 100 (--max-request-bytes)" in response.json()["error"]["message"]
+
+
+# --- a failing engine ----------------------------------------------------------------------------------------
+
+def failing_decode(gate: threading.Event):
+    """A stand-in for Engine._decode that runs out of memory once `gate` is set."""
+    def decode(top: bool):
+        gate.wait(60)
+        raise MemoryError("RESOURCE_EXHAUSTED: out of memory (simulated)")
+    return decode
+
+
+def test_a_failing_engine_fails_its_requests_with_a_5xx_and_health_turns_503(tiny_chat):
+    gate = threading.Event()
+    with Engine(tiny_chat, slots=2, max_len=64) as engine, serving(engine) as url:
+        engine._decode = failing_decode(gate)
+        body = dict(prompt="the sea", max_tokens=20, ignore_eos=True)
+        whole, streamed = [], []
+
+        def stream():
+            with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=60) as response:
+                streamed.extend(line for line in response.iter_lines() if line)
+
+        threads = [threading.Thread(target=lambda: whole.append(httpx.post(f"{url}/v1/completions", json=body,
+                                                                           timeout=60))),
+                   threading.Thread(target=stream)]
+        for thread in threads:
+            thread.start()
+        assert wait_for(lambda: engine.stats()["running"] + engine.stats()["queued"] == 2, 60), "both are in"
+        gate.set()
+        for thread in threads:
+            thread.join(60)
+        assert whole[0].status_code == 500, whole[0].text
+        error = whole[0].json()["error"]
+        assert error["code"] == "engine_failed" and "MemoryError: RESOURCE_EXHAUSTED" in error["message"]
+        assert json.loads(streamed[-1].removeprefix("data: "))["error"]["code"] == "engine_failed", streamed
+        assert httpx.get(f"{url}/health").status_code == 503
+        later = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert later.status_code == 503 and later.json()["error"]["code"] == "engine_failed"
+
+
+def test_serve_returns_with_engine_failed_when_the_engine_fails(tiny_chat):
+    gate, raised = threading.Event(), []
+    gate.set()
+    engine = Engine(tiny_chat, slots=1, max_len=64)
+    engine._decode = failing_decode(gate)
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+
+    def run():
+        try:
+            serve(create_app(engine, model_name=MODEL), engine, host="127.0.0.1", port=port, deadline=1)
+        except EngineFailed as error:
+            raised.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    assert wait_for(lambda: reachable(url), 60), "the server did not come up"
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60).status_code == 500
+    thread.join(60)
+    assert not thread.is_alive() and "MemoryError" in str(raised[0])
+
+
+def test_an_engine_failing_at_warm_up_exits_1_with_one_line(tiny_chat_dir, monkeypatch, capsys):
+    def out_of_memory(engine):
+        raise MemoryError("RESOURCE_EXHAUSTED: out of memory while trying to allocate 48.00GiB (simulated)")
+
+    monkeypatch.setattr(Engine, "_compile_all", out_of_memory)
+    monkeypatch.setattr(linnet_jax.serve.app, "serve", lambda *a, **k: pytest.fail("served a dead engine"))
+    assert main(["serve", "--model", str(tiny_chat_dir), "--slots", "1", "--port", "0",
+                 "--no-compilation-cache"]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == ("linnet-jax serve: error: the engine failed: MemoryError: RESOURCE_EXHAUSTED: out of memory "
+                    "while trying to allocate 48.00GiB (simulated)")
+
+
 # --- cancellation, queue, keys --------------------------------------------------------------------------------
 
 LONG = dict(model=MODEL, prompt="the sea", max_tokens=240, ignore_eos=True, temperature=0)
@@ -460,6 +647,12 @@ def test_queue_full_is_429_with_retry_after(tiny_chat):
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
+def test_an_empty_api_key_is_refused(tiny_engine):
+    for key in ("", " ", " s3cret"):
+        with pytest.raises(ValueError, match="api_key must be a non-empty string without surrounding whitespace"):
+            create_app(tiny_engine, model_name=MODEL, api_key=key)
+
+
 def test_api_key_is_needed_everywhere_but_health(tiny_engine):
     with serving(tiny_engine, api_key="s3cret") as url:
         assert httpx.get(f"{url}/health").status_code == 200
@@ -479,12 +672,95 @@ def test_api_key_is_needed_everywhere_but_health(tiny_engine):
 @pytest.mark.parametrize("flags", [["--slots", "0"], ["--port", "70000"], ["--max-len", "x"], ["--max-len", "8"],
                                    ["--shutdown-deadline", "-1"], ["--shutdown-deadline", "inf"],
                                    ["--speculative-config", "{"], ["--speculative-config", '{"method": "eagle"}'],
-                                   ["--prefill-chunk", "0"]])
+                                   ["--prefill-chunk", "0"], ["--api-key", ""], ["--host", "192.0.2.1"],
+                                   ["--max-request-bytes", "0"]])
 def test_serve_flags_are_refused_before_loading(monkeypatch, flags):
     monkeypatch.setattr(linnet_jax, "load", lambda *a, **k: pytest.fail("loaded the model"))
     with pytest.raises(SystemExit) as exit:
         main(["serve", "--model", "/nowhere", *flags])
     assert exit.value.code == 2
+
+
+def test_default_max_len_is_the_model_context_when_shorter(tiny_chat_dir, tmp_path, monkeypatch):
+    short = tmp_path / "short"
+    shutil.copytree(tiny_chat_dir, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 128}))
+    served = []
+
+    def serve_nothing(app, engine, **options):
+        served.append(engine.max_len)
+        engine.close()
+
+    monkeypatch.setattr(linnet_jax.serve.app, "serve", serve_nothing)
+    assert main(["serve", "--model", str(short), "--slots", "1", "--prefill-batch", "1", "--prefill-chunk", "16",
+                 "--port", "0", "--no-compilation-cache"]) == 0
+    assert served == [128]
+
+
+def start_server(model_dir, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`linnet-jax serve` on a free port (one slot of 4096 positions), up and answering: the process and its URL."""
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "linnet_jax", "serve", "--model", str(model_dir), "--port", str(port), "--slots", "1",
+         "--max-len", "4096", "--prefill-batch", "1", "--prefill-chunk", "16", "--no-compilation-cache", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    if not wait_for(lambda: server.poll() is not None or reachable(url), 180) or server.poll() is not None:
+        server.kill()
+        raise AssertionError(f"the server did not come up: {server.communicate()[0]}")
+    return server, url
+
+
+def test_signals_in_quick_succession_always_end_the_server(tiny_chat_dir):
+    """Signals a few microseconds apart, from the first (some land while the first one's handler runs): the process
+    exits, never half-dead or frozen."""
+    server, url = start_server(tiny_chat_dir, "--shutdown-deadline", "300")
+    try:
+        for i in range(40):  # SIGTERM and SIGINT by turns, about 30 µs apart (a busy wait: sleep is coarser)
+            os.kill(server.pid, (signal.SIGTERM, signal.SIGINT)[i % 2])
+            end = time.perf_counter() + 3e-5
+            while time.perf_counter() < end:
+                pass
+        assert server.wait(60) == 0, server.stdout.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+def test_a_draining_server_answers_503_and_a_second_signal_cuts_the_drain_short(tiny_chat_dir):
+    server, url = start_server(tiny_chat_dir, "--shutdown-deadline", "300")
+    try:
+        lines, streaming = [], threading.Event()
+
+        def stream():
+            with httpx.stream("POST", f"{url}/v1/completions", json=UNNAMED | {"max_tokens": 4000, "stream": True},
+                              timeout=120) as response:
+                for line in filter(None, response.iter_lines()):
+                    lines.append(line)
+                    streaming.set()
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        assert streaming.wait(60), "the request is streaming"
+        server.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: httpx.get(f"{url}/health").status_code == 503, 30), "/health turns 503"
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down", refused.text
+        assert thread.is_alive(), "the running request is given its deadline"
+        server.send_signal(signal.SIGINT)
+        assert server.wait(60) == 0, server.stdout.read()  # well within the 300 s deadline
+        thread.join(30)
+        finishes = [json.loads(line.removeprefix("data: "))["choices"][0]["finish_reason"]
+                    for line in lines if line.startswith("data: {")]
+        assert finishes[-1] == "abort" and lines[-1] == "data: [DONE]"
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
 
 
 def test_sigterm_with_requests_in_flight_exits_cleanly(tiny_chat_dir):

@@ -7,9 +7,11 @@ import jinja2
 import numpy as np
 import pytest
 import transformers
+from hypothesis import given
+from hypothesis import strategies as st
 
 from linnet_jax.gguf import read_gguf, write_gguf
-from linnet_jax.text import Cursor, Detokenizer
+from linnet_jax.text import Cursor, Detokenizer, StopPrefix
 from linnet_jax.tokenizer import Tokenizer
 
 TEXTS = [
@@ -276,3 +278,34 @@ def test_detokenizer_decodes_each_id_once_not_the_whole_text_again(ours):
         detokenizer.add([token])
     assert detokenizer.generation("length", []).text == ours.decode(ids)
     assert counting.ids < 8 * len(ids), counting.ids
+
+
+@given(stop=st.text("ab", min_size=1, max_size=8), pieces=st.lists(st.text("abc", max_size=6), max_size=8))
+def test_stop_prefix_is_the_longest_prefix_of_the_stop_that_the_text_ends_with(stop, pieces):
+    prefix, text = StopPrefix(stop), ""
+    for piece in pieces:
+        prefix.feed(piece)
+        text += piece
+        assert prefix.matched == max(n for n in range(len(stop) + 1) if text.endswith(stop[:n]))
+
+
+def test_detokenizer_holds_back_in_linear_time_with_a_long_stop_string(ours):
+    """How much of a stop string the text ends with is kept up to date as text arrives, not searched for again at
+    each step: the stop string's characters are read O(text + stop) times (the search at each step read
+    O(steps × stop), the prefixes' copies O(steps × stop²))."""
+    class Counting(str):
+        reads = 0
+
+        def __getitem__(self, index):
+            Counting.reads += 1
+            return super().__getitem__(index)
+
+    text = "a" * 2000
+    stop = Counting("a" * 1000 + "b")
+    detokenizer, cursor, shown = Detokenizer(ours, [stop]), Cursor(), ""
+    for token in ours.encode(text):
+        detokenizer.add([token])
+        shown += detokenizer.unread(cursor)[0]
+    assert len(text) - 1000 - 16 < len(shown) <= len(text) - 1000, "the last 1000 characters may begin the stop"
+    assert detokenizer.generation("length", []).text == text
+    assert Counting.reads < 10 * (len(text) + len(stop)), Counting.reads

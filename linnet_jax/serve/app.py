@@ -7,16 +7,19 @@ The app knows the engine's Python API only (`submit`, handles, `stats`, `on_fini
 Errors (`linnet_jax.serve.errors`) are OpenAI's JSON, `{"error": {"message", "type", "param", "code"}}`: 400
 naming the field for a body that is not JSON, a wrong type, a bad value, a field this server does not implement,
 a prompt that leaves no room for a token (a larger max_tokens is clamped to the room, finishing with "length");
-401 without the API key; 404 for an unknown model; 429 with Retry-After when the engine's queue is full; 503
-while shutting down. A client that disconnects has its requests cancelled: their slots are free before the
-engine's next decode dispatch. The Prometheus metrics are `linnet_jax.serve.metrics`.
+401 without the API key; 404 for an unknown model; 413 for a body over `max_request_bytes`; 429 with Retry-After
+when the engine's queue is full; 503 (and /health 503) while shutting down or once the engine has failed; 500
+for the requests the engine was serving when it failed (streamed: a last `data: {"error": ...}` event). A client
+that disconnects has its requests cancelled: their slots are free before the engine's next decode dispatch.
+Tokenizing and every other cost that grows with a request runs off the event loop. The Prometheus metrics are
+`linnet_jax.serve.metrics`.
 """
 
 import asyncio
+import itertools
 import json
 import logging
 import secrets
-import signal
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -28,17 +31,18 @@ from starlette.exceptions import HTTPException
 
 from linnet_jax._version import __version__
 from linnet_jax.serve.echo import echoes, prompt_ids, stop_ids
-from linnet_jax.serve.engine import Engine, Handle, Piece, QueueFull
-from linnet_jax.serve.errors import (BAD_INPUT, APIError, ASCIIJSONResponse, BearerAuth, error_response,
-                                     request_error, validation_error)
+from linnet_jax.serve.engine import Engine, EngineFailed, Handle, Piece, QueueFull
+from linnet_jax.serve.errors import (BAD_INPUT, MAX_REQUEST_BYTES, APIError, ASCIIJSONResponse, BearerAuth, BodyLimit,
+                                     check_api_key, error_body, error_response, request_error, validation_error)
 from linnet_jax.serve.metrics import Metrics
 from linnet_jax.serve.protocol import (ChatCompletions, ChatRequest, CompletionRequest, Completions, DetokenizeRequest,
-                                       Output, Sampling, Shape, TokenizeRequest, engine_options, finish_reason,
+                                       Output, Sampling, Shape, TokenizeRequest, budget, engine_options, finish_reason,
                                        message_dicts, refused_field, usage)
 from linnet_jax.tokenizer import TOKENIZER_CLASS
 
 log = logging.getLogger("linnet_jax.serve")
 RETRY_AFTER_S = 1
+FLUSH_S = 5  # seconds the last responses get to be sent once the engine has drained
 
 
 def completion_prompts(prompt) -> list[dict]:
@@ -52,8 +56,8 @@ def completion_prompts(prompt) -> list[dict]:
         return [{"tokens": prompt}]
     if isinstance(prompt[0], str):
         return [{"prompt": text, "chat": False} for text in prompt]
-    if empty := next((i for i, ids in enumerate(prompt) if not ids), None):
-        raise APIError(400, f"prompt[{empty}] is an empty list of ids", "prompt")
+    if (empty := next((i for i, ids in enumerate(prompt) if not ids), None)) is not None:
+        raise APIError(400, f"prompt[{empty}] is an empty list of ids; expected at least one id", "prompt")
     return [{"tokens": ids} for ids in prompt]
 
 
@@ -76,9 +80,22 @@ def submit_error(error: BaseException, prompt_field: str) -> BaseException:
         return APIError(429, str(error), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(error, BAD_INPUT):
         return request_error(error, prompt_field)
+    if isinstance(error, EngineFailed):
+        return engine_failed(error.__cause__, 503)
     if isinstance(error, RuntimeError):
         return APIError(503, str(error), code="shutting_down")
     return error
+
+
+def engine_failed(failure: Exception, status: int) -> APIError:
+    """An answer naming the engine's failure: 500 for the requests it was serving, 503 for later ones."""
+    return APIError(status, f"the engine failed ({type(failure).__name__}: {failure}); the server is exiting",
+                    code="engine_failed")
+
+
+def failed(handle: Handle) -> APIError | None:
+    """A 500 naming the engine's failure when the handle's request ended with it, else None."""
+    return engine_failed(handle.engine.failure, 500) if handle.generation.stop_reason == "error" else None
 
 
 async def collect(handle: Handle) -> Output:
@@ -126,9 +143,13 @@ def cancel(handles: list[Handle]) -> None:
 
 
 async def stream_chunks(shape: Shape, handles: list[Handle], n: int, include_usage: bool) -> AsyncIterator[dict]:
-    """The chunks of a streamed response: each piece of each choice, its finish, then (asked for) usage."""
+    """The chunks of a streamed response: each piece of each choice, its finish, then (asked for) usage; an error
+    body, last, when the engine failed."""
     started, offsets = [False] * len(handles), [0] * len(handles)
     async for index, piece in merged(handles):
+        if piece is None and (error := failed(handles[index])):
+            yield error_body(error)
+            return
         if piece is None:
             yield shape.chunk([shape.end(index, finish_reason(handles[index]), not started[index])])
         else:
@@ -139,21 +160,27 @@ async def stream_chunks(shape: Shape, handles: list[Handle], n: int, include_usa
 
 
 async def server_sent_events(chunks: AsyncIterator[dict], watcher: asyncio.Task, handles: list[Handle]):
-    """`data: {json}` per chunk, then `data: [DONE]`; the handles are cancelled if the stream stops early."""
+    """`data: {json}` per chunk, then `data: [DONE]` (not after an error); the handles are cancelled if the stream
+    stops early."""
     try:
         async for chunk in chunks:
             yield f"data: {json.dumps(chunk)}\n\n"
+            if "error" in chunk:
+                return
         yield "data: [DONE]\n\n"
     finally:
         watcher.cancel()
         cancel(handles)
 
 
-def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The OpenAI-compatible app over `engine`, serving it as `model_name`; with `api_key`, every endpoint but
-    /health needs `Authorization: Bearer api_key`."""
+def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
+               max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+    """The OpenAI-compatible app over `engine`, serving it as `model_name`; with `api_key` (non-empty), every
+    endpoint but /health needs `Authorization: Bearer api_key`; a body over `max_request_bytes` is a 413."""
+    check_api_key(api_key)
     app = FastAPI(title="linnet_jax", version=__version__, default_response_class=ASCIIJSONResponse)
     metrics, created, tokenizer = Metrics(engine), int(time.time()), engine.model.tokenizer
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
     if api_key is not None:
         app.add_middleware(BearerAuth, key=api_key)
 
@@ -179,33 +206,47 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model",
                            "model_not_found")
 
-    def admit(body: Sampling, prompts: list[dict], top_logprobs: int, prompt_field: str) -> list[Handle]:
-        """The request checked and submitted: n handles per prompt, prompt-major."""
+    def check_available() -> None:
+        """A 503 once the engine admits nothing: it is shutting down, or it failed."""
+        if engine.failure is not None:
+            raise engine_failed(engine.failure, 503)
+        if engine.closing:
+            raise APIError(503, "the server is shutting down: it admits no new requests", code="shutting_down")
+
+    async def admit(body: Sampling, prompts: list[dict], top_logprobs: int, prompt_field: str) -> list[Handle]:
+        """The request checked and submitted (prompts encoded off the event loop): n handles per prompt,
+        prompt-major."""
         check_request(body)
         n = body.n or 1
         if n * len(prompts) > engine.slots:
             raise APIError(400, f"n={n} choices of {len(prompts)} prompt(s) need more than the server's "
                                 f"{engine.slots} slots", "n")
         seed = secrets.randbits(63) if body.seed is None else body.seed
-        return submit_all(engine, prompts, n, engine_options(body, top_logprobs) | {"seed": seed}, prompt_field)
+        options = engine_options(body, top_logprobs) | {"seed": seed}
+        return await asyncio.to_thread(submit_all, engine, prompts, n, options, prompt_field)
 
     def check_request(body: Sampling) -> None:
         check_model(body.model)
+        check_available()
         if refused := refused_field(body):
             raise APIError(400, f"{refused} is not supported by this server", refused, "unsupported_field")
 
     async def collected(request: Request, handles: list[Handle]) -> list[Output]:
-        """Each handle's whole output; all of them cancelled if the client disconnects first."""
+        """Each handle's whole output; all of them cancelled if the client disconnects first; a 500 if the engine
+        failed meanwhile."""
         watcher = cancel_on_disconnect(request, handles)
         try:
-            return await asyncio.gather(*(collect(handle) for handle in handles))
+            outputs = await asyncio.gather(*(collect(handle) for handle in handles))
         finally:
             watcher.cancel()
             cancel(handles)
+        if error := next(filter(None, map(failed, handles)), None):
+            raise error
+        return outputs
 
     async def respond(request: Request, body: Sampling, shape: Shape, prompts: list[dict], top_logprobs: int,
                       prompt_field: str):
-        handles = admit(body, prompts, top_logprobs, prompt_field)
+        handles = await admit(body, prompts, top_logprobs, prompt_field)
         n = body.n or 1
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -224,13 +265,13 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
         check_request(body)
         ids = await asyncio.to_thread(prompt_ids, engine.model, prompts, engine.max_len)
         n = body.n or 1
-        if body.max_tokens == 0:
+        if budget(body)[1] == 0:
             outputs, reasons = [Output() for _ in range(n * len(ids))], ["length"] * (n * len(ids))
             stopped = [set() for _ in outputs]
             tokens = sum(len(row) for row in ids)
             counts = {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}
         else:
-            handles = admit(body, [{"tokens": row} for row in ids], top, "prompt")
+            handles = await admit(body, [{"tokens": row} for row in ids], top, "prompt")
             outputs = await collected(request, handles)
             reasons, counts = [finish_reason(handle) for handle in handles], usage(handles, n)
             stopped = [stop_ids(engine.model, body, handle.generation.stop_reason) for handle in handles]
@@ -246,7 +287,7 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
         prompts, top = completion_prompts(body.prompt), body.logprobs or 0
         if body.echo:
             return await echoed(request, body, shape, prompts, top)
-        if body.max_tokens == 0:
+        if budget(body)[1] == 0:
             raise APIError(400, "max_tokens must be at least 1 (0 scores the prompt, with echo: true)", "max_tokens")
         return await respond(request, body, shape, prompts, top, "prompt")
 
@@ -265,6 +306,7 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
 
     @app.get("/health")
     async def health():
+        check_available()
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -282,11 +324,9 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         field = "prompt" if body.messages is None else "messages"
+        messages = None if body.messages is None else message_dicts(body.messages)
         try:
-            ids = (needs_tokenizer().encode(body.prompt, add_special_tokens=body.add_special_tokens)
-                   if body.messages is None else
-                   needs_tokenizer().apply_chat_template(message_dicts(body.messages), tokenize=True,
-                                                         add_generation_prompt=body.add_generation_prompt))
+            ids = await asyncio.to_thread(tokenize_ids, needs_tokenizer(), body, messages)
         except BAD_INPUT as error:
             raise request_error(error, field) from error
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_len}
@@ -302,29 +342,51 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None) -
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
         try:
-            return {"prompt": needs_tokenizer().decode(body.tokens)}
+            return {"prompt": await asyncio.to_thread(needs_tokenizer().decode, body.tokens)}
         except BAD_INPUT as error:
             raise request_error(error, "tokens") from error
 
     return app
 
 
+def tokenize_ids(tokenizer, body: TokenizeRequest, messages: list[dict] | None) -> list[int]:
+    """/tokenize's ids: the prompt encoded, or the messages through the chat template."""
+    if messages is None:
+        return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=body.add_generation_prompt)
+
+
 def serve(app: FastAPI, engine: Engine, *, host: str, port: int, deadline: float) -> None:
-    """Serve `app` with uvicorn until SIGTERM or SIGINT; then stop admitting, give running requests `deadline`
-    seconds, cancel what is left, and return (without re-raising the signal)."""
+    """Serve `app` with uvicorn until SIGTERM or SIGINT, or until the engine fails (then raise EngineFailed).
+
+    The first signal drains: the engine admits nothing more (new requests and /health get 503), running requests
+    get `deadline` seconds, what is left is cancelled, then the server stops. A second signal cuts the drain short
+    (cancels now); a third stops the server at once. The signal handler only counts signals and sets flags, so
+    signals in quick succession cannot interleave into a broken state; it returns without re-raising them."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            if not self.should_exit:
-                closer.start()
-            self.force_exit = self.should_exit and sig == signal.SIGINT  # a second Ctrl-C: now
-            self.should_exit = True
+            received = next(signals)  # one C call: a signal that interrupts this handler gets the next number
+            if received == 0:
+                drainer.start()
+            elif received == 1:
+                engine.hurry()
+            else:
+                self.force_exit = self.should_exit = True
 
-    closer = threading.Thread(target=engine.close, args=(deadline,), name="linnet-jax-drain", daemon=True)
-    config = uvicorn.Config(app, host=host, port=port, lifespan="off", timeout_graceful_shutdown=deadline + 5)
-    DrainingServer(config).run()
-    if closer.ident is not None:  # a signal started the drain
-        closer.join()
+    def drain() -> None:
+        engine.close(deadline)
+        server.should_exit = True
+
+    signals = itertools.count()
+    config = uvicorn.Config(app, host=host, port=port, lifespan="off", timeout_graceful_shutdown=FLUSH_S)
+    server = DrainingServer(config)
+    drainer = threading.Thread(target=drain, name="linnet-jax-drain", daemon=True)
+    engine.on_failure.append(lambda error: setattr(server, "should_exit", True))
+    server.run()
+    if drainer.ident is not None:  # a signal started the drain
+        drainer.join()
     else:
         engine.close()
+    engine.check_alive()

@@ -15,6 +15,8 @@ Every dispatch's shape is a bucket (rows: powers of two up to prefill_batch; col
 Requests are submitted from any thread (`submit`), or from asyncio (`Handle.__aiter__`); a full
 queue refuses a request (`QueueFull`) rather than buffering it without bound. A request's tokens
 are the ones `generate` gives for the same arguments: everything it owns lives in its slot.
+If the scheduler thread fails (out of memory, say), every queued and running request ends with stop reason
+"error", `failure` holds the exception, and the engine admits nothing more (`EngineFailed`).
 """
 
 import asyncio
@@ -29,7 +31,7 @@ import numpy as np
 
 from linnet_jax.decode import TOP_LOGPROBS, TRACES, decode, free, verify
 from linnet_jax.inputs import (MIN_BUCKET, RequestError, bucket, buckets, check_max_new_tokens, eos_ids,
-                               extend_rows, make_prompts, new_slots, sampling_options)
+                               extend_rows, make_prompts, new_slots, sampling_options, seed_key)
 from linnet_jax.loaded import Model
 from linnet_jax.prefix_cache import PrefixCache
 from linnet_jax.sharding import host
@@ -37,8 +39,16 @@ from linnet_jax.speculative import Ngram, draft_arrays, propose, speculative_con
 from linnet_jax.text import Cursor, Detokenizer, Generation, take
 
 
+DEFAULT_MAX_LEN = 640  # positions per slot, or the model's context when that is shorter
+CHOICES = 2**32  # the streams of one seed a request may draw (`choice`)
+
+
 class QueueFull(RuntimeError):
     """The engine's queue holds max_queue requests already: try again later."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine's scheduler thread failed (`Engine.failure` says why): it serves nothing more."""
 
 
 @dataclasses.dataclass
@@ -170,7 +180,8 @@ class Handle:
         return reason
 
     def _finish(self, reason: str) -> None:
-        """The request's Generation, as generate makes it. reason: "eos", "stop", "length" or "cancelled"."""
+        """The request's Generation, as generate makes it. reason: "eos", "stop", "length", "cancelled" or
+        "error" (the engine failed)."""
         with self._changed:
             self.generation = self.text.generation(reason, self.logprobs)
         self._notify()
@@ -199,11 +210,12 @@ class Engine:
     drafts verified in one forward (`linnet_jax.speculative`; vLLM's speculative_config names).
     """
 
-    def __init__(self, model: Model, slots: int = 16, max_len: int = 640, max_queue: int = 256, *,
+    def __init__(self, model: Model, slots: int = 16, max_len: int | None = None, max_queue: int = 256, *,
                  steps_per_dispatch: int = 8, prefill_batch: int = 4, prefill_chunk: int = 256,
                  max_step_tokens: int | None = None, prefix_cache: bool = True, prefix_block: int = 64,
                  prefix_cache_gb: float = 1.0, speculative: dict | Ngram | None = None):
         max_step_tokens = prefill_batch * prefill_chunk if max_step_tokens is None else max_step_tokens
+        max_len = min(DEFAULT_MAX_LEN, model.config.max_position_embeddings) if max_len is None else max_len
         for name, value in (("slots", slots), ("max_len", max_len), ("max_queue", max_queue),
                             ("steps_per_dispatch", steps_per_dispatch), ("prefill_batch", prefill_batch),
                             ("prefill_chunk", prefill_chunk), ("max_step_tokens", max_step_tokens),
@@ -233,10 +245,12 @@ class Engine:
         self.counters = {"tokens_generated": 0, "requests_finished": 0}
         self.step_log: deque[Step] = deque(maxlen=65536)  # the latest dispatches
         self.on_finish: list[Callable[[Handle], None]] = []  # metrics hooks, called on the scheduler thread
+        self.on_failure: list[Callable[[Exception], None]] = []  # called on the scheduler thread when it fails
+        self.failure: Exception | None = None
         self.warm_traces: int | None = None
         self._tasks: deque[Callable[[], None]] = deque()  # work run on the scheduler thread (warmup)
         self._wake = threading.Condition()
-        self._closing = self._stopped = False
+        self._closing = self._stopped = self._hurried = False
         self._thread = threading.Thread(target=self._loop, name="linnet-jax-engine", daemon=True)
         self._thread.start()
 
@@ -254,8 +268,9 @@ class Engine:
         max_tokens: at most what the slot has room for (max_len minus the prompt), which is the default; a larger
         budget is clamped to it, finishing with "length" as vLLM does. seed: None draws one
         at random for a sampled request; choice i draws stream i of the seed (OpenAI's n), as row i of
-        `generate(..., seed=seed)` does. top_logprobs: report that many most likely tokens (≤ TOP_LOGPROBS) beside
-        each. A RequestError (a ValueError) names the field that is wrong; QueueFull when the queue is full.
+        `generate(..., seed=seed)` does (its key alone is made, whatever the choice). top_logprobs: report that many
+        most likely tokens (≤ TOP_LOGPROBS) beside each. A RequestError (a ValueError) names the field that is wrong;
+        QueueFull when the queue is full; EngineFailed once the scheduler has failed.
         """
         prompts = make_prompts(self.model, prompt, tokens, chat)
         if len(prompts.prompts) != 1:
@@ -266,19 +281,22 @@ class Engine:
                                          f"max_len={self.max_len} positions, prompt and new tokens together")
         room = self.max_len - len(ids)
         max_tokens = room if max_tokens is None else min(check_max_new_tokens(max_tokens, "max_tokens"), room)
-        if isinstance(choice, bool) or not isinstance(choice, (int, np.integer)) or choice < 0:
-            raise RequestError("choice", f"choice must be an int ≥ 0, got {choice!r}")
+        if isinstance(choice, bool) or not isinstance(choice, (int, np.integer)) or not 0 <= choice < CHOICES:
+            raise RequestError("choice", f"choice must be an int in [0, 2**32) (a stream of the seed), got {choice!r}")
         if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, (int, np.integer)) \
                 or not 0 <= top_logprobs <= TOP_LOGPROBS:
             raise RequestError("top_logprobs", f"top_logprobs must be an int in [0, {TOP_LOGPROBS}], "
                                                f"got {top_logprobs!r}")
         seed = secrets.randbits(63) if seed is None else seed
-        options = sampling_options(self.model, choice + 1, temperature=temperature, top_k=top_k, top_p=top_p,
-                                   min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop,
-                                   stop_token_ids=stop_token_ids, ignore_eos=ignore_eos).row(choice)
+        options = sampling_options(self.model, 1, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                   repetition_penalty=repetition_penalty, seed=seed, stop=stop,
+                                   stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+        stream = dataclasses.replace(options.sampling, keys=seed_key(seed, int(choice))[None])  # row `choice`'s key
+        options = dataclasses.replace(options, sampling=stream)
         work = Work(prompt=ids, request=options.requests(max_tokens), top_logprobs=int(top_logprobs),
                     handle=Handle(self, len(ids), options.stops))
         with self._wake:
+            self.check_alive()
             if self._closing:
                 raise RuntimeError("the engine is shutting down: it admits no new requests")
             if len(self.queue) >= self.max_queue:
@@ -290,19 +308,21 @@ class Engine:
     def warmup(self) -> None:
         """Compile every program the engine uses (each prefill shape, decode and verify with and without top
         logprobs, free, the prefix cache's copies), then count compiles from here on (`compiles_after_warmup`).
-        Each program runs once over rows that hold nothing, which changes no request."""
-        done = threading.Event()
+        Each program runs once over rows that hold nothing, which changes no request. EngineFailed if the
+        scheduler fails meanwhile (out of memory, say)."""
+        compiled = []
 
         def compile_all():
-            try:
-                self._compile_all()
-            finally:
-                done.set()
+            self._compile_all()
+            with self._wake:
+                compiled.append(True)
+                self._wake.notify_all()
 
         with self._wake:
             self._tasks.append(compile_all)
             self._wake.notify_all()
-        done.wait()
+            self._wake.wait_for(lambda: compiled or self.failure is not None)
+            self.check_alive()
         self.warm_traces = sum(TRACES.values())
 
     def _compile_all(self) -> None:
@@ -344,20 +364,30 @@ class Engine:
                     **self.counters, "prefix_cache_hit_tokens": prefixes.hit_tokens if prefixes else 0,
                     "prefix_cache_lookup_tokens": prefixes.lookup_tokens if prefixes else 0}
 
+    @property
+    def closing(self) -> bool:
+        """Whether the engine has stopped admitting requests (closed, closing, or failed)."""
+        return self._closing
+
     def wake(self) -> None:
         with self._wake:
             self._wake.notify_all()
 
+    def check_alive(self) -> None:
+        """EngineFailed once the scheduler thread has failed."""
+        if self.failure is not None:
+            raise EngineFailed(f"the engine failed: {type(self.failure).__name__}: {self.failure}") from self.failure
+
     def close(self, deadline: float | None = None) -> None:
         """Stop admitting; let running requests finish (cancelling what is left after `deadline` seconds;
-        None cancels at once), and stop the scheduler thread."""
+        None cancels at once; `hurry()` cuts the wait short), and stop the scheduler thread."""
         with self._wake:
             self._closing = True
             for work in self.queue:
                 work.handle.cancelled = True
             self._wake.notify_all()
         end = time.monotonic() + (deadline or 0)
-        while any(self.owners) and time.monotonic() < end:
+        while any(self.owners) and not self._hurried and time.monotonic() < end:
             time.sleep(0.02)
         for work in self.owners:
             if work is not None:
@@ -366,6 +396,11 @@ class Engine:
             self._stopped = True
             self._wake.notify_all()
         self._thread.join()
+
+    def hurry(self) -> None:
+        """Make a close() that waits for running requests cancel them now. It only sets a flag, so a signal
+        handler may call it."""
+        self._hurried = True
 
     def __enter__(self) -> "Engine":
         return self
@@ -376,6 +411,26 @@ class Engine:
     # --- the scheduler ---------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        try:
+            self._schedule()
+        except Exception as error:  # any failure must reach the waiting requests, never strand them
+            self._fail(error)
+
+    def _fail(self, error: Exception) -> None:
+        """The scheduler failed: admit nothing more, end every queued and running request with "error", and call
+        the on_failure hooks."""
+        with self._wake:
+            self.failure, self._closing = error, True
+            failed = [*self.queue, *(work for work in self.owners if work is not None)]
+            self.queue.clear()
+            self.owners = [None] * len(self.owners)
+            self._wake.notify_all()
+        for work in failed:
+            work.handle._finish("error")
+        for hook in self.on_failure:
+            hook(error)
+
+    def _schedule(self) -> None:
         while True:
             with self._wake:
                 self._wake.wait_for(lambda: self._stopped or self.queue or any(self.owners) or self._tasks)

@@ -1,8 +1,10 @@
-"""The app's errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and its API key check.
+"""The app's errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, its API key check and its
+body-size limit.
 
 `APIError` is an answer with a status; `request_error` turns what the engine, its inputs or the tokenizer
 refused into a 400 naming the field (a `linnet_jax.inputs.RequestError` carries it); `validation_error` does
-the same for a body that pydantic refused; `BearerAuth` answers 401 without the API key.
+the same for a body that pydantic refused; `BearerAuth` answers 401 without the API key; `BodyLimit` answers 413
+for a body over the limit.
 """
 
 import hmac
@@ -16,6 +18,7 @@ from starlette.datastructures import Headers
 from linnet_jax.inputs import RequestError
 
 ERROR_TYPES = {429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}  # else invalid_request_error
+MAX_REQUEST_BYTES = 1 << 20  # the default body-size limit: many times what --max-len 640 and 16 slots need
 BAD_INPUT = (ValueError, TypeError, OverflowError, jinja2.TemplateError)  # what the inputs or the tokenizer refuse
 TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
@@ -36,10 +39,14 @@ class ASCIIJSONResponse(JSONResponse):
         return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
-def error_response(error: APIError) -> Response:
-    body = {"error": {"message": error.message, "type": ERROR_TYPES.get(error.status, "invalid_request_error"),
+def error_body(error: APIError) -> dict:
+    """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": error.message, "type": ERROR_TYPES.get(error.status, "invalid_request_error"),
                       "param": error.param, "code": error.code}}
-    return ASCIIJSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+def error_response(error: APIError) -> Response:
+    return ASCIIJSONResponse(error_body(error), status_code=error.status, headers=error.headers)
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -75,6 +82,13 @@ def request_error(error: Exception, prompt_field: str) -> APIError:
     return APIError(400, " ".join(str(error).split()), field)
 
 
+def check_api_key(key: str | None, name: str = "api_key") -> None:
+    """A ValueError naming `name` unless key is None (no key needed) or a non-empty string without surrounding
+    whitespace: an empty key would let `Authorization: Bearer` with no token in."""
+    if key is not None and (not key or key != key.strip()):
+        raise ValueError(f"{name} must be a non-empty string without surrounding whitespace, got {key!r}")
+
+
 def authorized(header: str | None, key: str) -> bool:
     """Whether an Authorization header carries `Bearer key` (compared in constant time)."""
     scheme, _, token = (header or "").partition(" ")
@@ -94,3 +108,34 @@ class BearerAuth:
                                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
             return await response(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body holds more than `limit` bytes is answered 413 (once the body has been
+    read to its end, and dropped, so that a client still sending it reads the answer); others reach the app."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            size += len(message.get("body", b""))
+            if size <= self.limit:
+                chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        if size > self.limit:
+            response = error_response(APIError(413, f"the request body holds {size} bytes; this server takes at most "
+                                                    f"{self.limit} (--max-request-bytes)", code="request_too_large"))
+            return await response(scope, receive, send)
+        whole = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay():
+            return whole.pop() if whole else await receive()
+
+        await self.app(scope, replay, send)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from linnet_jax.decode import TOP_LOGPROBS
 from linnet_jax.inputs import SEED_RANGE
 from linnet_jax.serve.engine import Handle, Piece
+from linnet_jax.serve.errors import APIError
 
 # OpenAI fields this server does not implement -> the values that mean "not used" (accepted).
 REFUSED = {
@@ -110,13 +111,26 @@ def refused_field(body: BaseModel) -> str | None:
 
 
 def message_dicts(messages: list[Message]) -> list[dict]:
-    """Messages as the chat template takes them: text parts joined into one string, extra keys kept."""
-    def content(message: Message):
+    """Messages as the chat template takes them: text parts joined into one string, extra keys kept. A 400 naming
+    `messages[i].content` for a message without content (null or missing, as OpenAI's assistant tool_calls have)."""
+    def content(i: int, message: Message) -> str:
+        if message.content is None:
+            raise APIError(400, f"messages[{i}].content is null or missing; expected a string or a list of text "
+                                f"parts (this server takes no tool_calls)", f"messages[{i}].content")
         if isinstance(message.content, list):
             return "".join(part.text for part in message.content)
         return message.content
 
-    return [{**(message.model_extra or {}), "role": message.role, "content": content(message)} for message in messages]
+    return [{**(message.model_extra or {}), "role": message.role, "content": content(i, message)}
+            for i, message in enumerate(messages)]
+
+
+def budget(body: Sampling) -> tuple[str, int | None]:
+    """The new-token budget's field and value: max_completion_tokens when given (OpenAI's newer name), else
+    max_tokens (None: what the slot has room for)."""
+    if body.max_completion_tokens is not None:
+        return "max_completion_tokens", body.max_completion_tokens
+    return "max_tokens", body.max_tokens
 
 
 def engine_options(body: Sampling, top_logprobs: int) -> dict:
@@ -125,9 +139,9 @@ def engine_options(body: Sampling, top_logprobs: int) -> dict:
         return default if value is None else value
 
     return dict(
-        max_tokens=given(body.max_completion_tokens, body.max_tokens),
+        max_tokens=budget(body)[1],
         temperature=given(body.temperature, 1.0), top_p=given(body.top_p, 1.0), top_k=max(given(body.top_k, 0), 0),
-        min_p=given(body.min_p, 0.0), repetition_penalty=given(body.repetition_penalty, 1.0), stop=body.stop or None,
+        min_p=given(body.min_p, 0.0), repetition_penalty=given(body.repetition_penalty, 1.0), stop=body.stop,
         stop_token_ids=body.stop_token_ids, ignore_eos=bool(body.ignore_eos), top_logprobs=top_logprobs)
 
 
