@@ -31,10 +31,11 @@ What is measured, per system:
 
 Rows for linnet_jax's exports (`Exported`) write the export in a child process before the timed load (so
 neither its time nor its memory counts), then use only what it wrote: the StableHLO programs deserialized and
-called (the export's load.py; no linnet_jax), the generated model.py imported from its path, or the GGUF file run
-by llama.cpp (llama-cpp-python, 2 threads, float32 KV cache). The StableHLO programs return last-position
-logits only, so that row's distance covers the prompt's last position. A note line gives linnet_jax's native
-decode as a multiple of llama.cpp f32's.
+called (the export's load.py; no linnet_jax), the generated JAX or PyTorch model.py imported from its path (the
+PyTorch one eager and under torch.compile), the ONNX graphs run by the export's runner.py (ONNX Runtime, f32 and
+f16), or the GGUF file run by llama.cpp (llama-cpp-python, 2 threads, float32 KV cache). The StableHLO programs
+return last-position logits only, so that row's distance covers the prompt's last position. Note lines give
+linnet_jax's native decode as a multiple of llama.cpp f32's, and the export rows' goals against their peers.
 
 A new row is a `System` subclass registered with `@register("name")`: load, generate, logits (and `prepare`
 for untimed work before the load; `requires` and `install` for a peer that may not be installed, which then is a
@@ -66,6 +67,8 @@ MARKS = ("<!-- decode-table:start -->", "<!-- decode-table:end -->")
 REFERENCE = "transformers"  # distance and agreement are measured against this system
 BASELINE = "linnet_jax"  # decode speed ratios are against this system
 DECODE_GOAL = 1.1  # linnet_jax's decode as a multiple of llama.cpp f32's (issue 13)
+# (row, peer, goal): a row's decode as a multiple of a peer's in the same run (issue 22)
+PEER_GOALS = (("torch_source_compiled", "transformers_compiled", 1.2), ("onnx_f32", "transformers", 1.0))
 RSS_GOAL = 1.3  # peak RSS less a jax-only process's, as a multiple of weights + cache (issue 13)
 LLAMA_CPP_INSTALL = "pip install llama-cpp-python==0.3.16  # builds llama.cpp from source: about 13 minutes on 2 cores"
 
@@ -270,6 +273,85 @@ class GeneratedJax(Exported):
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
         return np.asarray(self.forward(self.params, ids[None].astype(np.int32))[0], np.float32)
+
+
+@register("torch_source")
+class GeneratedPyTorch(Exported):
+    """`export.torch_source`'s plain PyTorch model.py (no transformers, no linnet_jax), imported from its path:
+    its load_weights and generate, 2 threads, a static cache of exactly the positions a run needs. Its distance
+    is over the whole prompt, one cached step per position (its forward returns the last column's logits)."""
+
+    label = "linnet_jax, generated PyTorch"
+    requires, install = ("torch",), TORCH_INSTALL
+    export_format = "torch_source"
+
+    def sized_options(self) -> dict:
+        return {"max_len": self.max_len}
+
+    def load(self) -> None:
+        import torch
+
+        torch.set_num_threads(TORCH_THREADS)
+        self.torch = torch
+        self.module = import_path(self.export / "model.py")
+        self.params = self.module.load_weights()
+
+    def generate(self, ids: np.ndarray, new_tokens: int) -> list[int]:
+        return self.module.generate(self.params, ids.tolist(), new_tokens, stop_ids=())
+
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        keys, values = self.params.init_cache()
+        with self.torch.inference_mode():
+            return np.concatenate([self.params(self.torch.tensor([[token]]), self.torch.tensor([[p]]), keys,
+                                               values).numpy() for p, token in enumerate(ids.tolist())])
+
+
+@register("torch_source_compiled")
+class GeneratedPyTorchCompiled(GeneratedPyTorch):
+    """The same model.py's generate through `torch.compile(load_weights())` (inductor, CPU; mode="default" as the
+    transformers row): the prompt's bucket and the one-token step each compile once, on the first call."""
+
+    label = "linnet_jax, generated PyTorch + inductor"
+
+    def load(self) -> None:
+        super().load()
+        self.params = self.torch.compile(self.params, mode="default", fullgraph=True)
+
+
+@register("onnx_f32")
+class OnnxRuntime(Exported):
+    """`export.onnx`'s graphs run by the export's own runner.py (onnxruntime, numpy, tokenizers; no torch), ONNX
+    Runtime's CPU provider with 2 intra-op threads. Distance: one decode-graph step per prompt position."""
+
+    label = "linnet_jax, ONNX Runtime f32"
+    requires, install = ("onnxruntime",), "pip install -e '.[onnx]'"
+    export_format, export_options = "onnx", {"dtype": "float32"}
+    weight_bytes = 4.0
+
+    def sized_options(self) -> dict:
+        return {"max_len": self.max_len}
+
+    def load(self) -> None:
+        self.runner = import_path(self.export / "runner.py")
+        self.params = self.runner.load_weights(self.export, threads=TORCH_THREADS)
+
+    def generate(self, ids: np.ndarray, new_tokens: int) -> list[int]:
+        return self.runner.generate(self.params, ids.tolist(), new_tokens, stop_ids=())
+
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        cache, rows = self.runner.empty_cache(self.params.manifest), []
+        for position, token in enumerate(ids.tolist()):
+            logits, cache = self.runner.step(self.params.decode, np.asarray([[token]]), np.asarray([[position]]),
+                                             cache)
+            rows.append(logits)
+        return np.concatenate(rows)
+
+
+@register("onnx_f16")
+class OnnxRuntimeF16(OnnxRuntime):
+    label = "linnet_jax, ONNX Runtime f16"
+    export_options = {"dtype": "float16"}
+    weight_bytes = 2.0
 
 
 @register("llama_cpp_f32")
@@ -521,6 +603,14 @@ def table(results: list[Measured], new_tokens: int) -> str:
     return "\n".join(rows)
 
 
+def peer_goals(results: list[Measured]) -> list[str]:
+    """The export rows' goals (issue 22): each one's decode as a multiple of its peer's, in this run."""
+    decode, labels = {m.name: m.decode for m in results if m.decode_tok_s}, {m.name: m.label for m in results}
+    return [f"- {labels[row]} decode = {decode[row] / decode[peer]:.2f}× {labels[peer]} ({decode[row]:.1f} vs "
+            f"{decode[peer]:.1f} tok/s, medians; the goal is ≥ {goal}×)"
+            for row, peer, goal in PEER_GOALS if row in decode and peer in decode]
+
+
 def native_vs_llama_cpp(results: list[Measured]) -> list[str]:
     """The line the Exports issue asks for: linnet_jax's native decode as a multiple of llama.cpp f32's."""
     decode = {m.name: m.decode for m in results if m.decode_tok_s}
@@ -611,7 +701,7 @@ def native_memory(results: list[Measured], sizes: tuple[int, int]) -> list[str]:
 
 def notes(results: list[Measured], sizes: tuple[int, int], bandwidth: float) -> list[str]:
     """Per-run figures, and anything irregular (tokens that changed between runs, late failures)."""
-    lines = native_vs_llama_cpp(results) + roofline_line(results, bandwidth, sizes) + native_memory(results, sizes)
+    lines = native_vs_llama_cpp(results) + peer_goals(results) + roofline_line(results, bandwidth, sizes) + native_memory(results, sizes)
     if not any(m.name == REFERENCE and m.logits_path for m in results):
         lines.append(f"- no distance or agreement: the reference ({REFERENCE}) was not in this run or failed")
     for m in results:

@@ -16,7 +16,7 @@ import numpy as np
 from harness import timed
 
 import linnet_jax
-from linnet_jax.decode import decode
+from linnet_jax.decode import decode, decode_program
 from linnet_jax.inputs import bucket, extend_rows, make_requests, make_sampling, new_slots, stop_id_array
 
 
@@ -36,7 +36,7 @@ def measure(model, batch: int, prompt: int, new: int, temperature: float) -> dic
     slots = filled_state(model, batch, prompt, new, max_len, temperature)
     run = lambda: decode(model.decode_params, model.config, slots, np.int32(steps), bucket(steps),  # noqa: E731
                          plan=model.plan)
-    compile_s, _ = timed(decode.lower(model.decode_params, model.config, slots, np.int32(steps), bucket(steps),
+    compile_s, _ = timed(decode_program(model.plan.decode_options(batch)).lower(model.decode_params, model.config, slots, np.int32(steps), bucket(steps),
                                       plan=model.plan).compile)
     jax.block_until_ready(run())
     slots = filled_state(model, batch, prompt, new, max_len, temperature)  # the warm-up consumed (donated) the first

@@ -60,6 +60,10 @@ KINDS = {
     ("decode", "linnet_jax"): Kind("JAX", True, DECODE_PEERS, "decode"),
     ("decode", "stablehlo"): Kind("JAX", True, DECODE_PEERS, "decode"),
     ("decode", "jax_source"): Kind("JAX", True, DECODE_PEERS, "decode"),
+    ("decode", "torch_source"): Kind("PyTorch", True, ("transformers",), "decode"),
+    ("decode", "torch_source_compiled"): Kind("PyTorch", True, ("transformers_compiled",), "decode"),
+    ("decode", "onnx_f32"): Kind("Other", True, ("transformers",), "decode"),
+    ("decode", "onnx_f16"): Kind("Other", True, ("transformers",), "decode"),
     ("decode", "transformers"): Kind("PyTorch"),
     ("decode", "transformers_compiled"): Kind("PyTorch"),
     ("decode", "llama_cpp_f32"): Kind("llama.cpp"),
@@ -386,7 +390,8 @@ def draw_chart(metric: Metric, rows: list[tuple[str, str, float]], path: Path) -
     best = best_index(values, metric.lower_is_better)
     ys, labels, headings = bar_layout(rows)
     fig, ax = plt.subplots(figsize=(9, 0.9 + 0.32 * (len(ys) + len(headings))))
-    ax.barh(ys, values, color=["#d62728" if i == best else "#5b7fa6" for i in range(len(values))], height=0.7)
+    colors = ["#d62728" if i == best else "#5b7fa6" for i in range(len(values))]
+    ax.barh(ys, values, color=colors, edgecolor=colors, linewidth=4, height=0.7)  # the edge: a bar too short to see
     for y, value in zip(ys, values):
         ax.text(value, y, f" {significant(value)} {metric.unit}", va="center", fontsize=8)
     for y, group in headings:

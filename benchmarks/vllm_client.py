@@ -78,7 +78,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--json", type=Path, help="also write the summary here")
     args = parser.parse_args(argv[:split])
     bench_args = argv[split + 1:]
-    args.model_path = None
+    args.model_path = args.replicas = args.replica_cpus = None  # serve.py's options this client does not take
     export_hf(args)
     server = with_extra(serve.LinnetServed if args.server == "linnet" else serve.VllmServed,
                         shlex.split(args.server_args))(args, args.hf_dir)

@@ -11,6 +11,10 @@ A `Plan` is hashable: `Model.plan` holds it and the cached programs (`forward`, 
 - `matvec_kernels`: batch-1 float32 products run through linnet's XLA:CPU kernels (`ops.matvec`): on
   one CPU device, where they are built and this CPU and jaxlib can run them. XLA:CPU runs small
   products on one core; the kernels split them across its threads.
+- `decode_options(rows)`: XLA compiler options for a decode program of that many rows. On one CPU device,
+  XLA's own dot emitter in place of YNNPACK's from 8 to 24 rows, where YNNPACK's dots keep one of this CPU's
+  cores idle: SmolLM2's sampled 16-row step takes 83 ms instead of 97 (8 rows 58 against 65, 24 rows 127 against
+  133), while at 4 rows YNNPACK's is 40% faster and at 32 rows 13% (benchmarks/RESULTS.md).
 """
 
 import dataclasses
@@ -22,6 +26,7 @@ from linnet_jax.models.params import Params, unstack_layers
 from linnet_jax.ops import matvec
 
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")  # "gpu": how JAX names a CUDA or ROCm device
+XLA_DOTS = (("xla_cpu_experimental_ynn_fusion_type", ""),)  # XLA:CPU fuses no op into YNNPACK: dots are XLA's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,11 +36,17 @@ class Plan:
     platform: str  # one of PLATFORMS
     unstacked_layers: bool
     matvec_kernels: bool
+    xla_dot_rows: tuple[int, int] | None = None  # (fewest, most) decode rows whose programs use XLA's own dots
 
     @property
     def einsum(self) -> Callable:
         """The function the model's products run through: `ops.matvec.einsum` or `jnp.einsum`."""
         return matvec.einsum if self.matvec_kernels else jnp.einsum
+
+    def decode_options(self, rows: int) -> tuple[tuple[str, str], ...]:
+        """XLA compiler options (name, value) for a decode program of `rows` rows (hashable: a cache key)."""
+        fewest, most = self.xla_dot_rows or (1, 0)
+        return XLA_DOTS if fewest <= rows <= most else ()
 
 
 def plan_for_platform(platform: str, devices: int = 1) -> Plan:
@@ -43,7 +54,8 @@ def plan_for_platform(platform: str, devices: int = 1) -> Plan:
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
     cpu = platform == "cpu"
-    return Plan(platform=platform, unstacked_layers=cpu, matvec_kernels=cpu and devices == 1 and matvec.available())
+    return Plan(platform=platform, unstacked_layers=cpu, matvec_kernels=cpu and devices == 1 and matvec.available(),
+                xla_dot_rows=(8, 24) if cpu and devices == 1 else None)
 
 
 def plan_for(params: Params) -> Plan:

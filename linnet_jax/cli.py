@@ -1,5 +1,6 @@
 """The command line: `linnet-jax generate "PROMPT"`, `linnet-jax chat`, `linnet-jax export`, `linnet-jax serve`
-(the OpenAI-compatible server) and `linnet-jax finetune` (also `python -m linnet_jax`).
+(the OpenAI-compatible server), `linnet-jax finetune` (SFT or DPO) and `linnet-jax eval` (lm-eval in process)
+(also `python -m linnet_jax`).
 
 A bad flag is refused before the model loads (exit status 2); any other failure the user can fix (a
 missing model, a file in the way, a prompt that does not fit) prints one line naming it and exits 1.
@@ -7,8 +8,9 @@ missing model, a file in the way, a prompt that does not fit) prints one line na
 """
 
 import argparse
-import json
 import io
+import json
+import os
 import re
 import socket
 import sys
@@ -16,10 +18,13 @@ import time
 from pathlib import Path
 
 from linnet_jax.compilation import enable_compilation_cache
+from linnet_jax.export._onnx import DTYPES as ONNX_DTYPES
 from linnet_jax.models.config import DTYPES
 
-# --format -> the --dtype values it takes: for gguf the GGUF storage type, else the weights' dtype.
-EXPORT_DTYPES = {"stablehlo": DTYPES, "jax-source": DTYPES, "hf": DTYPES, "gguf": ("f32", "f16", "bf16", "q8_0")}
+# --format -> the --dtype values it takes: for gguf the GGUF storage type, for onnx the graphs' (weights' and
+# cache's), else the weights' dtype.
+EXPORT_DTYPES = {"stablehlo": DTYPES, "jax-source": DTYPES, "torch-source": DTYPES, "hf": DTYPES,
+                 "onnx": ONNX_DTYPES, "gguf": ("f32", "f16", "bf16", "q8_0")}
 GGUF_DEFAULT = "f16"
 # What a user can cause and fix: printed as one line (exit status 1) unless --debug.
 USER_ERRORS = (ValueError, TypeError, OSError)
@@ -51,7 +56,8 @@ def parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", parents=[source], help="export the model (prints the path written)")
     export.add_argument("--format", required=True, choices=sorted(EXPORT_DTYPES))
     export.add_argument("--dtype", default=None, help=f"the weights' dtype, {', '.join(DTYPES)}; for gguf the GGUF "
-                        f"type, {', '.join(EXPORT_DTYPES['gguf'])} (default {GGUF_DEFAULT})")
+                        f"type, {', '.join(EXPORT_DTYPES['gguf'])} (default {GGUF_DEFAULT}); for onnx "
+                        f"{', '.join(ONNX_DTYPES)} (default {ONNX_DTYPES[0]})")
     export.add_argument("--overwrite", action="store_true", help="write over an existing OUT")
     export.add_argument("out", metavar="OUT", help="a directory (a .gguf file for --format gguf)")
     serve = commands.add_parser("serve", parents=[source], help="an OpenAI-compatible HTTP server")
@@ -78,7 +84,44 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                        help='n-gram speculative decoding, vLLM\'s names: \'{"method": "ngram", '
                             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
+    serve.add_argument("--lora", type=lora_module, action="append", default=None, metavar="NAME=PATH",
+                       help="serve a PEFT LoRA adapter directory as model NAME beside the base (repeatable)")
+    serve.add_argument("--max-loras", type=positive_int, default=None,
+                       help="the most adapters loaded at once (default 4; given alone: none yet, loaded at runtime "
+                            "with POST /v1/load_lora_adapter)")
+    serve.add_argument("--max-lora-rank", type=positive_int, default=16, help="the largest adapter rank taken")
+    spread = serve.add_argument_group("one model over several processes (jax.distributed; every process is given "
+                                      "the same flags but --process-id; process 0 serves HTTP)")
+    spread.add_argument("--coordinator", type=coordinator, default=None, metavar="HOST:PORT",
+                        help="process 0's address for jax.distributed (its coordination service listens there)")
+    spread.add_argument("--num-processes", type=positive_int, default=None, help="processes in the job")
+    spread.add_argument("--process-id", type=non_negative_int, default=None, help="this process's index")
+    spread.add_argument("--mesh", type=mesh_sizes, default=None, metavar="AXIS=SIZE,...",
+                        help="the device mesh the weights and cache are split over, axes from data, fsdp, tensor "
+                             "(default with --coordinator: fsdp over every process's devices)")
+    spread.add_argument("--rules", default=None, choices=("single", "dp", "fsdp", "tp", "fsdp_tp"),
+                        help="the sharding preset (default: every rule the mesh's axes allow)")
+    serve.add_argument("--replicas", type=positive_int, default=None,
+                       help="serve N replicas on Ray Serve (the ray extra), each with its own engine")
+    serve.add_argument("--ray-address", default=None,
+                       help="with --replicas: join the Ray cluster at ADDR (default: start a local Ray instance)")
+    serve.add_argument("--replica-cpus", type=positive_float, default=None,
+                       help="with --replicas: the Ray CPUs each replica reserves (default 1; below 2: one compute "
+                            "thread)")
     add_finetune(commands.add_parser("finetune", parents=[source], help="fine-tune on a JSON Lines file (full or LoRA)"))
+    evaluate = commands.add_parser("eval", parents=[source], help="run lm-eval tasks on the model, in process")
+    evaluate.add_argument("--tasks", required=True, help="comma-separated lm-eval task (or group) names")
+    evaluate.add_argument("--include-path", default=None, metavar="DIR", help="a directory of your own task YAMLs")
+    evaluate.add_argument("--limit", type=positive_float, default=None,
+                          help="at most N documents per task (a fraction of each below 1)")
+    evaluate.add_argument("--num-fewshot", type=non_negative_int, default=None)
+    evaluate.add_argument("--dtype", default=None, choices=DTYPES)
+    evaluate.add_argument("--batch-size", type=positive_int, default=16, help="prompts generated together")
+    evaluate.add_argument("--max-length", type=positive_int, default=None,
+                          help="the most tokens a scored window holds (default: the model's context)")
+    evaluate.add_argument("--output", default=None, metavar="FILE.json", help="also write lm-eval's results there")
+    evaluate.add_argument("--log-samples", action="store_true", help="keep each request and answer in --output")
+    evaluate.add_argument("--overwrite", action="store_true", help="write over an existing --output")
     return main
 
 
@@ -88,6 +131,14 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
     return value
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """argparse type: NAME=PATH, an adapter's served name and its PEFT directory."""
+    name, equals, path = text.partition("=")
+    if not (name and equals and path):
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def non_negative_int(text: str) -> int:
@@ -114,6 +165,28 @@ def port(text: str) -> int:
     return value
 
 
+def coordinator(text: str) -> str:
+    """argparse type: HOST:PORT, a jax.distributed coordinator's address."""
+    host, _, number = text.rpartition(":")
+    if not host or not number.isdigit() or not 0 < int(number) <= 65535:
+        raise argparse.ArgumentTypeError(f"must be HOST:PORT (a port in [1, 65535]), got {text!r}")
+    return text
+
+
+def mesh_sizes(text: str) -> dict[str, int]:
+    """argparse type: AXIS=SIZE,... over the mesh axes data, fsdp and tensor."""
+    from linnet_jax.sharding import MESH_AXES
+
+    sizes = {}
+    for part in text.split(","):
+        axis, _, size = part.partition("=")
+        if axis not in MESH_AXES or axis in sizes or not size.isdigit() or int(size) < 1:
+            raise argparse.ArgumentTypeError(f"must be AXIS=SIZE,... with distinct axes from {MESH_AXES} and sizes "
+                                             f"≥ 1, got {text!r}")
+        sizes[axis] = int(size)
+    return sizes
+
+
 def non_negative_float(text: str) -> float:
     """argparse type: a finite float ≥ 0."""
     value = float(text)
@@ -130,21 +203,64 @@ def check_flags(arguments: argparse.ArgumentParser, args) -> None:
                             f"(for --format {args.format})")
         return
     if args.command == "finetune":
+        if args.method != "dpo" and (args.beta is not None or args.reference_free):
+            arguments.error("--beta and --reference-free are DPO's: add --method dpo")
+        if args.eval_every is not None and not args.eval_tasks:
+            arguments.error("--eval-every needs --eval-tasks")
+        if (args.eval_include_path or args.eval_limit) and not args.eval_tasks:
+            arguments.error("--eval-include-path and --eval-limit need --eval-tasks")
+        return
+    if args.command == "eval":
+        if args.log_samples and not args.output:
+            arguments.error("--log-samples needs --output, the file the samples go to")
         return
     from linnet_jax.inputs import MIN_BUCKET, make_sampling
 
     if args.command == "serve":
+        from linnet_jax.adapters import DEFAULT_MAX_LORAS, peft_rank
+        from linnet_jax.load import DEFAULT_MODEL
+        from linnet_jax.serve.errors import check_api_key
         from linnet_jax.speculative import speculative_config
 
-        from linnet_jax.serve.errors import check_api_key
-
+        spread = (args.coordinator, args.num_processes, args.process_id)
+        if any(value is not None for value in spread) and any(value is None for value in spread):
+            arguments.error("--coordinator, --num-processes and --process-id go together")
+        if args.num_processes is not None and args.process_id >= args.num_processes:
+            arguments.error(f"--process-id must be in [0, --num-processes={args.num_processes}), got {args.process_id}")
+        if args.num_processes is not None and (args.lora or args.max_loras):
+            arguments.error("--lora and --max-loras are not served across processes: serve adapters from one process")
+        if args.rules is not None and args.mesh is None and args.coordinator is None:
+            arguments.error("--rules needs --mesh (or --coordinator)")
+        if args.replicas is None and (given := next((flag for flag, value in (
+                ("--ray-address", args.ray_address), ("--replica-cpus", args.replica_cpus)) if value is not None), None)):
+            arguments.error(f"{given} needs --replicas")
+        if args.replicas is not None and args.coordinator is not None:
+            arguments.error("--replicas and --coordinator do not go together: replicas are engines of their own, "
+                            "--coordinator spreads one engine over processes")
         if args.max_len is not None and args.max_len < MIN_BUCKET:
             arguments.error(f"--max-len must be at least {MIN_BUCKET}, got {args.max_len}")
+        names = [name for name, _ in args.lora or ()]
+        if repeated := next((name for name in names if names.count(name) > 1), None):
+            arguments.error(f"--lora {repeated}=... is given twice")
+        if len(names) > (args.max_loras or DEFAULT_MAX_LORAS):
+            arguments.error(f"{len(names)} --lora adapters need --max-loras {len(names)} or more")
+        for name, path in args.lora or ():
+            if name == (args.model or DEFAULT_MODEL):
+                arguments.error(f"--lora {name}=...: {name!r} is the base model's name")
+            try:
+                rank = peft_rank(path)
+            except ValueError as error:
+                arguments.error(f"--lora {name}={path}: {error}")
+            if rank > args.max_lora_rank:
+                arguments.error(f"--lora {name}={path}: the adapter's rank {rank} is above --max-lora-rank "
+                                f"{args.max_lora_rank}")
         try:
             speculative_config(args.speculative_config, "--speculative-config")
             check_api_key(args.api_key, "--api-key")
         except ValueError as error:
             arguments.error(str(error))
+        if args.process_id:  # a follower serves no HTTP
+            return
         try:
             check_address(args.host, args.port)
         except OSError as error:
@@ -197,6 +313,17 @@ def add_finetune(command: argparse.ArgumentParser) -> None:
     command.add_argument("--truncate", action="store_true", help="cut records longer than --seq-len (counted)")
     command.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
     command.add_argument("--compute-dtype", default=None, choices=DTYPES, help="the forward's dtype (default: params')")
+    command.add_argument("--method", default="sft", choices=("sft", "dpo"),
+                         help='dpo: preference records {"prompt" or "messages", "chosen", "rejected"}; --batch-size '
+                              "counts pairs")
+    command.add_argument("--beta", type=positive_float, default=None, help="DPO's temperature (default 0.1)")
+    command.add_argument("--reference-free", action="store_true",
+                         help="DPO without a reference model (its log-probabilities taken as 0)")
+    command.add_argument("--eval-tasks", default=None, help="lm-eval tasks run on the model as it trains")
+    command.add_argument("--eval-every", type=positive_int, default=None,
+                         help="run --eval-tasks every N steps (and at the last; default: the last only)")
+    command.add_argument("--eval-include-path", default=None, metavar="DIR", help="a directory of task YAMLs")
+    command.add_argument("--eval-limit", type=positive_float, default=None, help="documents per task")
     command.add_argument("out", metavar="OUT_DIR")
 
 
@@ -228,7 +355,10 @@ def run_finetune(args) -> None:
         model, args.data, args.out, lora=lora, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         lr=args.lr, warmup=args.warmup, accum_steps=args.accum_steps, save_every=args.save_every, keep=args.keep,
         resume=args.resume, resume_anyway=args.resume_anyway, overwrite=args.overwrite, seed=args.seed,
-        packing=not args.no_packing, truncate=args.truncate, remat=args.remat, compute_dtype=args.compute_dtype)
+        packing=not args.no_packing, truncate=args.truncate, remat=args.remat, compute_dtype=args.compute_dtype,
+        method=args.method, beta=0.1 if args.beta is None else args.beta, reference_free=args.reference_free,
+        eval_tasks=args.eval_tasks, eval_every=args.eval_every, eval_include_path=args.eval_include_path,
+        eval_limit=args.eval_limit)
     out = Path(args.out)
     model_dir = export.hf(result.model, out / "model", overwrite=True, progress=False)
     adapter_dir = None if lora is None else export.peft(model, result.state.lora, out / "adapter",
@@ -236,9 +366,35 @@ def run_finetune(args) -> None:
     if result.metrics:  # none when a resumed run had no step left and its metrics.jsonl is gone
         first, last = result.metrics[0], result.metrics[-1]
         print(f"loss {first['loss']:.4f} at step {first['step']} -> {last['loss']:.4f} at step {last['step']}")
+        if "rewards/margins" in last:
+            print(f"reward margin {first['rewards/margins']:.4f} -> {last['rewards/margins']:.4f}, accuracy "
+                  f"{first['rewards/accuracies']:.2f} -> {last['rewards/accuracies']:.2f}")
     print(f"model: {model_dir}")
     if adapter_dir:
         print(f"PEFT adapter: {adapter_dir}")
+
+
+def run_eval(args) -> None:
+    """Load the model, run lm-eval's tasks on it in process (`linnet_jax.eval.evaluate`), print lm-eval's table
+    and write its results to --output when given."""
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    from linnet_jax import load
+    from linnet_jax.eval import evaluate, tasks_to_run
+    from linnet_jax.files import prepare_target, staged
+
+    tasks_to_run(args.tasks, args.include_path)  # an unknown task is refused before the model loads
+    output = prepare_target(args.output, overwrite=args.overwrite) if args.output else None
+    model = load(args.model, dtype=args.dtype)
+    results = evaluate(model, args.tasks, include_path=args.include_path, limit=args.limit,
+                       num_fewshot=args.num_fewshot, batch_size=args.batch_size, max_length=args.max_length,
+                       log_samples=args.log_samples)
+    print(make_table(results))
+    if output is not None:
+        with staged(output) as written:
+            written.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False),
+                               encoding="utf-8")
+        print(f"results: {output}")
 
 
 def export_model(args) -> Path:
@@ -248,6 +404,9 @@ def export_model(args) -> Path:
     if args.format == "gguf":
         model = load(args.model)
         return export.gguf(model, args.out, dtype=args.dtype or GGUF_DEFAULT, overwrite=args.overwrite)
+    if args.format == "onnx":  # the graphs' dtype: the weights are read in float32 and cast once, at export
+        model = load(args.model, dtype="float32")
+        return export.onnx(model, args.out, dtype=args.dtype or ONNX_DTYPES[0], overwrite=args.overwrite)
     model = load(args.model, dtype=args.dtype)
     return getattr(export, args.format.replace("-", "_"))(model, args.out, overwrite=args.overwrite)
 
@@ -293,10 +452,17 @@ def run(args) -> int:
     if args.command == "export":
         print(export_model(args))
         return 0
+    if args.command == "serve" and args.replicas:
+        return serve_replicas(args)
+    if args.command == "eval":
+        run_eval(args)
+        return 0
     from linnet_jax import load
 
+    if getattr(args, "coordinator", None):
+        join_processes(args)
     start = time.perf_counter()
-    model = load(args.model, dtype=args.dtype)
+    model = load(args.model, dtype=args.dtype, **serve_mesh(args))
     print(f"{model} loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     if args.command == "serve":
         return serve(model, args)
@@ -305,6 +471,57 @@ def run(args) -> int:
         stream_reply(model, prompt, args)
         return 0
     return chat(model, args)
+
+
+def join_processes(args) -> None:
+    """Join the jax.distributed job of `serve --coordinator` (CPU devices talk through gloo)."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id)
+
+
+def serve_mesh(args) -> dict:
+    """load's mesh and rules from serve's --mesh and --rules ({} on one device): with --coordinator and no --mesh,
+    fsdp over every process's devices."""
+    from linnet_jax.sharding import mesh
+
+    sizes = getattr(args, "mesh", None)
+    if sizes is None and getattr(args, "coordinator", None):
+        import jax
+
+        sizes = {"fsdp": jax.device_count()}
+    return {} if sizes is None else {"mesh": mesh(**sizes), "rules": args.rules}
+
+
+def engine_options(args) -> dict:
+    """`Engine` keywords from serve's flags."""
+    from linnet_jax.adapters import DEFAULT_MAX_LORAS
+
+    return {"slots": args.slots, "max_len": args.max_len, "max_queue": args.max_queue,
+            "prefill_batch": args.prefill_batch, "prefill_chunk": args.prefill_chunk,
+            "max_step_tokens": args.max_step_tokens, "prefix_cache": not args.no_prefix_cache,
+            "prefix_cache_gb": args.prefix_cache_gb, "speculative": args.speculative_config,
+            "loras": None if args.lora is None and args.max_loras is None else dict(args.lora or ()),
+            "max_loras": args.max_loras or DEFAULT_MAX_LORAS, "max_lora_rank": args.max_lora_rank}
+
+
+def serve_replicas(args) -> int:
+    """`serve --replicas N`: N replicas on Ray Serve (`linnet_jax.serve.ray`), each loading the model and warming
+    its engine up, behind Ray's proxy on --host:--port, until SIGTERM or SIGINT."""
+    import jax
+
+    from linnet_jax.serve.errors import MAX_REQUEST_BYTES
+    from linnet_jax.serve.ray import app, run
+
+    if jax.config.jax_compilation_cache_dir:  # the replicas of a local Ray instance compile into the same cache
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir
+    cpus = {} if args.replica_cpus is None else {"cpus": args.replica_cpus}
+    application = app(args.model, replicas=args.replicas, api_key=args.api_key, dtype=args.dtype,
+                      max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES, **cpus, **engine_options(args))
+    run(application, address=args.ray_address, host=args.host, port=args.port)
+    return 0
 
 
 def serve(model, args) -> int:
@@ -316,23 +533,36 @@ def serve(model, args) -> int:
     from linnet_jax.serve.app import serve as run_server
     from linnet_jax.serve.errors import MAX_REQUEST_BYTES
 
+    lockstep = None
+    if args.coordinator:
+        from linnet_jax.serve.lockstep import Lockstep
+
+        lockstep = Lockstep()
     try:
-        engine = Engine(model, slots=args.slots, max_len=args.max_len, max_queue=args.max_queue,
-                        prefill_batch=args.prefill_batch, prefill_chunk=args.prefill_chunk,
-                        max_step_tokens=args.max_step_tokens, prefix_cache=not args.no_prefix_cache,
-                        prefix_cache_gb=args.prefix_cache_gb, speculative=args.speculative_config)
-        start = time.perf_counter()
-        engine.warmup()
-        print(f"engine warmed up in {time.perf_counter() - start:.1f} s ({engine.slots} slots of {engine.max_len} "
-              f"positions)", file=sys.stderr)
-        app = create_app(engine, model_name=args.model or DEFAULT_MODEL, api_key=args.api_key,
-                         max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES)
-        run_server(app, engine, host=args.host, port=args.port, deadline=args.shutdown_deadline)
+        engine = Engine(model, **engine_options(args), lockstep=lockstep)
+        if lockstep and not lockstep.leader:
+            print(f"following process 0's engine ({engine.slots} slots of {engine.max_len} positions)", file=sys.stderr)
+            engine.follow()
+        else:
+            start = time.perf_counter()
+            engine.warmup()
+            print(f"engine warmed up in {time.perf_counter() - start:.1f} s ({engine.slots} slots of "
+                  f"{engine.max_len} positions)", file=sys.stderr)
+            app = create_app(engine, model_name=args.model or DEFAULT_MODEL, api_key=args.api_key,
+                             max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES)
+            run_server(app, engine, host=args.host, port=args.port, deadline=args.shutdown_deadline)
     except (ValueError, RuntimeError, MemoryError) as error:
         if args.debug:
             raise
         print(f"linnet-jax serve: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2 if isinstance(error, ValueError) else 1
+    finally:
+        if lockstep and lockstep.leader:
+            lockstep.stop()
+    if lockstep:  # every process meets at the shutdown barrier; one that failed left without it, and
+        import jax  # jax.distributed then ends the others
+
+        jax.distributed.shutdown()
     return 0
 
 

@@ -18,13 +18,16 @@ token at the cache slot of its position), so a prompt's chunk, a decode step and
 verification are the same forward with different widths.
 
 Everything a request owns lives in its row: its sampling parameters and random key, stop ids,
-max_new_tokens, sequence length, tokens generated and finish state. Token n of a request is drawn
-with its key folded with n, so its tokens depend on its own seed and steps only, never on its
-neighbours, on how its prompt was chunked or on how many drafts were verified at once. A row that
-fills its max_len slots finishes with LENGTH: nothing is ever overwritten or clamped.
+max_new_tokens, its adapter (an entry of a `LoraTable` that every program takes whole; 0 for the base),
+sequence length, tokens generated and finish state, and the tokens its grammar allows next (`allowed`, a bitmask
+the host replaces between dispatches: every token for an unconstrained row, so that constrained and free rows run
+in one program). Token n of a request is drawn with its key folded with n, so its tokens depend on its own seed
+and steps only, never on its neighbours, on how its prompt was chunked or on how many drafts were verified at
+once. A row that fills its max_len slots finishes with LENGTH: nothing is ever overwritten or clamped.
 """
 
 import functools
+from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -32,11 +35,14 @@ import jax.numpy as jnp
 
 from linnet_jax.models import KVCache, Params, forward, init_cache
 from linnet_jax.models.config import Config
-from linnet_jax.ops import SamplingParams, penalize_repeats, sample
+from linnet_jax.models.lora import LoraTable
+from linnet_jax.ops import SamplingParams, bitmask_words, masked, penalized, sample
 
 FREE, RUNNING, STOP_ID, LENGTH = -1, 0, 1, 2  # a row's finish state
 TOP_LOGPROBS = 20  # the most likely tokens reported beside each chosen one (OpenAI's top_logprobs limit)
-TRACES = {"extend": 0, "decode": 0, "verify": 0, "free": 0}  # incremented when a program is traced
+TRACES = {"extend": 0, "decode": 0, "verify": 0, "free": 0, "put_lora": 0}  # incremented when a program is traced
+BIAS_SLOTS = 300  # logit bias entries per row (OpenAI's limit), padded
+ALL_ALLOWED = 0xFFFFFFFF  # a bitmask word that allows its 32 tokens
 
 
 @flax.struct.dataclass
@@ -46,6 +52,7 @@ class Request:
     sampling: SamplingParams  # each field [R]; keys [R, 2] uint32
     stop_ids: jax.Array  # [R, STOP_ID_SLOTS] int32, padded with -1
     max_new: jax.Array  # [R] int32, the most tokens to generate
+    adapter: jax.Array  # [R] int32, the row's entry in the adapter table (0: the base model)
 
 
 @flax.struct.dataclass
@@ -60,6 +67,8 @@ class Slots:
     count: jax.Array  # [B] int32, tokens generated (the stop token included)
     finish: jax.Array  # [B] int32: FREE, RUNNING, STOP_ID or LENGTH
     seen: jax.Array  # [B, V] bool, prompt and generated tokens (for the repetition penalty)
+    generated: jax.Array  # [B, V] int32, how often each token was generated (presence and frequency penalties)
+    allowed: jax.Array  # [B, W] uint32, the tokens the row may choose next (a bitmask, `ops.sampling.unpack_bitmask`)
     top_ids: jax.Array  # [B, TOP_LOGPROBS] int32, the most likely tokens at the last step (when asked for)
     top_logprobs: jax.Array  # [B, TOP_LOGPROBS] float32, their logprobs
 
@@ -80,23 +89,27 @@ def empty_slots(config: Config, batch: int, max_len: int, stop_id_slots: int, dt
     zeros = lambda dtype_: jnp.zeros((batch,), dtype_)  # noqa: E731
     sampling = SamplingParams(temperature=zeros(jnp.float32), top_k=zeros(jnp.int32), top_p=jnp.ones((batch,)),
                               min_p=zeros(jnp.float32), repetition_penalty=jnp.ones((batch,)),
-                              keys=jnp.zeros((batch, 2), jnp.uint32))
+                              presence_penalty=zeros(jnp.float32), frequency_penalty=zeros(jnp.float32),
+                              bias_ids=jnp.zeros((batch, BIAS_SLOTS), jnp.int32),
+                              bias=jnp.zeros((batch, BIAS_SLOTS), jnp.float32), keys=jnp.zeros((batch, 2), jnp.uint32))
     request = Request(sampling=sampling, stop_ids=jnp.full((batch, stop_id_slots), -1, jnp.int32),
-                      max_new=zeros(jnp.int32))
+                      max_new=zeros(jnp.int32), adapter=zeros(jnp.int32))
     return Slots(cache=init_cache(config, batch, max_len, dtype), request=request, token=zeros(jnp.int32),
                  logprob=zeros(jnp.float32), length=zeros(jnp.int32), count=zeros(jnp.int32),
                  finish=jnp.full((batch,), FREE, jnp.int32), seen=jnp.zeros((batch, config.vocab_size), bool),
+                 generated=jnp.zeros((batch, config.vocab_size), jnp.int32),
+                 allowed=jnp.full((batch, bitmask_words(config.vocab_size)), ALL_ALLOWED, jnp.uint32),
                  top_ids=jnp.zeros((batch, TOP_LOGPROBS), jnp.int32),
                  top_logprobs=jnp.zeros((batch, TOP_LOGPROBS), jnp.float32))
 
 
 def choose(slots: Slots, logits: jax.Array, max_len: int, top: bool, active: jax.Array | None = None) -> Slots:
-    """Each running row's next token from its logits [B, V], drawn with its key folded with its count.
-    top: also record the TOP_LOGPROBS most likely tokens and their logprobs; active: [B] bool, the rows that
-    choose (None: every running row)."""
+    """Each running row's next token from its logits [B, V], penalized (`ops.penalized`) and masked to the tokens
+    it allows, drawn with its key folded with its count. top: also record the TOP_LOGPROBS most likely tokens and
+    their logprobs (under the raw logits); active: [B] bool, the rows that choose (None: every running row)."""
     request = slots.request
-    chosen = sample(penalize_repeats(logits, slots.seen, request.sampling.repetition_penalty), request.sampling,
-                    slots.count)
+    adjusted = masked(penalized(logits, slots.seen, slots.generated, request.sampling), slots.allowed)
+    chosen = sample(adjusted, request.sampling, slots.count)
     logprobs = jax.nn.log_softmax(logits)
     logprob = jnp.take_along_axis(logprobs, chosen[:, None], axis=-1)[:, 0]
     if top:
@@ -114,7 +127,13 @@ def choose(slots: Slots, logits: jax.Array, max_len: int, top: bool, active: jax
         count=count,
         finish=finish,
         seen=slots.seen.at[rows, chosen].set(slots.seen[rows, chosen] | running),
+        generated=slots.generated.at[rows, chosen].add(running.astype(jnp.int32)),
     )
+
+
+def row_adapters(lora: LoraTable | None, request: Request) -> LoraTable | None:
+    """The adapter table with each row's entry (None: no table, the base model's programs)."""
+    return None if lora is None else lora.rows(request.adapter)
 
 
 def row_cache(cache: KVCache, rows: jax.Array, heads: int) -> jax.Array:
@@ -124,18 +143,19 @@ def row_cache(cache: KVCache, rows: jax.Array, heads: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=(1, 9, 10, 11), donate_argnums=(2,))
 def extend(params: Params, config: Config, slots: Slots, rows: jax.Array, tokens: jax.Array, start: jax.Array,
-           count: jax.Array, request: Request, last: jax.Array, constrain=None, plan=None, span: int | None = None
-           ) -> Slots:
+           count: jax.Array, request: Request, last: jax.Array, constrain=None, plan=None, span: int | None = None,
+           lora: LoraTable | None = None) -> Slots:
     """A chunk of a prompt for each of R rows of the state, in one forward.
 
     rows: [R] int32, the state rows (a row ≥ B is padding: it reads zeros and writes nothing); tokens: [R, C],
     row r's first count[r] entries its prompt's tokens at positions start[r] ..; request: the rows' requests
-    ([R]); last: [R] bool, the chunk ends the row's prompt: its first token is chosen (with its top logprobs)
-    and it runs, else it waits (FREE) for its next chunk. A chunk starting at 0 begins a new prompt; a later one
-    continues the row's cache. constrain: forward's sharding constraints; plan: the hardware plan
+    ([R]); last: [R] bool, the chunk ends the row's prompt: its first token is chosen (with its top logprobs; among
+    the tokens its `allowed` mask lets through) and it runs, else it waits (FREE) for its next chunk. A chunk
+    starting at 0 begins a new prompt; a later one continues the row's cache. constrain: forward's sharding constraints; plan: the hardware plan
     (`linnet_jax.backend.Plan`) the params were made for (`Model.plan`); span: the leading slots of each row the
     chunks read and write (at least every start + count; None: all), so that a fresh prompt's attention
-    reads its own C slots rather than max_len."""
+    reads its own C slots rather than max_len. lora: the adapter table (each row uses its request's entry), or
+    None."""
     TRACES["extend"] += 1
     max_len, heads, span = slots.cache.max_len, config.num_kv_heads, span or slots.cache.max_len
     cache_rows = row_cache(slots.cache, rows, heads)
@@ -146,12 +166,12 @@ def extend(params: Params, config: Config, slots: Slots, rows: jax.Array, tokens
     valid = columns < count[:, None]
     positions = jnp.where(valid, start[:, None] + columns, -1)
     logits, cache = forward(params, config, tokens, positions, cache, logits_at=jnp.maximum(count - 1, 0),
-                            constrain=constrain, plan=plan)
+                            constrain=constrain, lora=row_adapters(lora, request), plan=plan)
     part = jax.tree.map(lambda column: take(column, rows), slots.replace(cache=None))
     seen = jnp.where((start == 0)[:, None], False, part.seen)
     seen = seen.at[jnp.arange(rows.shape[0])[:, None], tokens].max(valid)
-    part = part.replace(request=request, seen=seen, length=start + count, count=jnp.zeros_like(count),
-                        finish=jnp.where(last, RUNNING, FREE).astype(jnp.int32))
+    part = part.replace(request=request, seen=seen, generated=jnp.zeros_like(part.generated), length=start + count,
+                        count=jnp.zeros_like(count), finish=jnp.where(last, RUNNING, FREE).astype(jnp.int32))
     part = choose(part, logits[:, 0], max_len, top=True)
     state = jax.tree.map(lambda whole, new: whole.at[rows].set(new, mode="drop"), slots.replace(cache=None),
                          part.replace(cache=None))
@@ -160,14 +180,28 @@ def extend(params: Params, config: Config, slots: Slots, rows: jax.Array, tokens
         v=tuple(whole.at[cache_rows, :, :span].set(new, mode="drop") for whole, new in zip(slots.cache.v, cache.v))))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 4, 5, 6, 7), donate_argnums=(2,))
 def decode(params: Params, config: Config, slots: Slots, steps: jax.Array, out_len: int,
-           constrain=None, top: bool = False, plan=None) -> tuple[Slots, Emitted]:
+           constrain=None, top: bool = False, plan=None, lora: LoraTable | None = None) -> tuple[Slots, Emitted]:
     """Up to `steps` (≤ out_len) single-token steps over every running row, until none is running.
 
     Each step feeds every running row its last token at position length - 1; other rows feed position
     -1, which writes nothing and is masked. Returns the state and what each row emitted (with each
-    token's TOP_LOGPROBS most likely alternatives when `top`). plan: as `extend`'s."""
+    token's TOP_LOGPROBS most likely alternatives when `top`). plan, lora: as `extend`'s. Runs the program
+    compiled with the plan's compiler options for B rows (`decode_program`)."""
+    options = plan.decode_options(slots.token.shape[0]) if plan else ()
+    return decode_program(options)(params, config, slots, steps, out_len, constrain, top, plan, lora)
+
+
+@functools.cache
+def decode_program(options: tuple[tuple[str, str], ...] = ()) -> Callable:
+    """`decode`'s program, jitted with these XLA compiler options (`Plan.decode_options`)."""
+    return jax.jit(decode_steps, static_argnums=(1, 4, 5, 6, 7), donate_argnums=(2,),
+                   compiler_options=dict(options) or None)
+
+
+def decode_steps(params: Params, config: Config, slots: Slots, steps: jax.Array, out_len: int,
+                 constrain=None, top: bool = False, plan=None, lora: LoraTable | None = None) -> tuple[Slots, Emitted]:
+    """`decode`'s steps (traced once per program and shape)."""
     TRACES["decode"] += 1
     batch = slots.token.shape[0]
     start = slots.count
@@ -177,7 +211,7 @@ def decode(params: Params, config: Config, slots: Slots, steps: jax.Array, out_l
         running = slots.finish == RUNNING
         positions = jnp.where(running, slots.length - 1, -1)[:, None]
         logits, cache = forward(params, config, slots.token[:, None], positions, slots.cache, constrain=constrain,
-                                plan=plan)
+                                lora=row_adapters(lora, slots.request), plan=plan)
         slots = choose(slots.replace(cache=cache), logits[:, 0], slots.cache.max_len, top)
         columns = (slots.token, slots.logprob, slots.top_ids, slots.top_logprobs)
         out = tuple(jax.lax.dynamic_update_index_in_dim(buffer, column, i, 1) for buffer, column in zip(out, columns))
@@ -198,19 +232,21 @@ def decode(params: Params, config: Config, slots: Slots, steps: jax.Array, out_l
 
 @functools.partial(jax.jit, static_argnums=(1, 5, 6, 7), donate_argnums=(2,))
 def verify(params: Params, config: Config, slots: Slots, drafts: jax.Array, n_drafts: jax.Array,
-           constrain=None, top: bool = False, plan=None) -> tuple[Slots, Emitted]:
+           constrain=None, top: bool = False, plan=None, lora: LoraTable | None = None) -> tuple[Slots, Emitted]:
     """One forward over every running row's last token and its first n_drafts[b] drafts (drafts [B, K]), then
     each row's tokens chosen one by one, as `decode` would choose them, for as long as each equals the draft
     fed after it: the row emits its accepted drafts and one token more (up to K + 1 tokens, fewer where it
     stops). Greedy and seeded rows give exactly decode's tokens (token n is drawn with the row's key folded
-    with n, from logits conditioned on the tokens it chose). Returns the state and what each row emitted."""
+    with n, from logits conditioned on the tokens it chose). plan, lora: as `extend`'s. Returns the state and what
+    each row emitted."""
     TRACES["verify"] += 1
     width = drafts.shape[1] + 1
     running = slots.finish == RUNNING
     columns = jnp.arange(width)
     positions = jnp.where(running[:, None] & (columns <= n_drafts[:, None]), slots.length[:, None] - 1 + columns, -1)
     tokens = jnp.concatenate([slots.token[:, None], drafts], axis=1)
-    logits, cache = forward(params, config, tokens, positions, slots.cache, constrain=constrain, plan=plan)
+    logits, cache = forward(params, config, tokens, positions, slots.cache, constrain=constrain,
+                            lora=row_adapters(lora, slots.request), plan=plan)
     start = slots.count
     next_drafts = jnp.concatenate([drafts, jnp.full_like(drafts[:, :1], -1)], axis=1)
 

@@ -4,7 +4,9 @@ A call becomes: every prompt (`linnet_jax.inputs`) prefilled into its own row of
 bucketed length, in one dispatch of T columns (a bucket: powers of two from 16), then `decode` steps with the loop on the device until every row has stopped. Everything a request owns (sampling
 values, random key, stop ids, max_new_tokens) is an array in its row, so a new prompt length inside a
 bucket, max_new_tokens, temperature or seed reuses the compiled programs, and a row's tokens do not
-depend on the rows beside it. Each row's text is detokenized as its ids arrive (`linnet_jax.text`);
+depend on the rows beside it. A row with a grammar (`structured`, `linnet_jax.structured`) chooses among the
+tokens it allows, its mask computed on the host after each token, so that such a call decodes one step per
+dispatch. Each row's text is detokenized as its ids arrive (`linnet_jax.text`);
 streaming and stop strings run `decode` a few steps at a time.
 """
 
@@ -12,13 +14,16 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from linnet_jax.adapters import call_table
 from linnet_jax.decode import FREE, LENGTH, RUNNING, STOP_ID, TRACES, decode, verify
 from linnet_jax.inputs import (RequestError, SamplingOptions, bucket, check_max_new_tokens, eos_ids,
                                extend_rows, make_prompts, new_slots, sampling_options)
 from linnet_jax.loaded import Model
 from linnet_jax.models.config import Config
+from linnet_jax.models.lora import LoraTable
 from linnet_jax.sharding import host
 from linnet_jax.speculative import Ngram, draft_arrays, propose, speculative_config
+from linnet_jax.structured import Constraint, bitmasks, constraints, with_bitmasks
 from linnet_jax.text import Cursor, Detokenizer, Generation, take
 
 STREAM_CHUNK = 4  # decode steps per dispatch when streaming
@@ -49,29 +54,43 @@ def plan_cache(config: Config, prompts: list[list[int]], max_new_tokens: int, ma
 
 
 def run(model: Model, prompts: list[list[int]], options: SamplingOptions, max_new_tokens: int, max_len: int,
-        chunk: int | None, speculative: Ngram | None = None
+        chunk: int | None, speculative: Ngram | None = None, rules: list[Constraint | None] | None = None,
+        table: LoraTable | None = None, entries: list[int] | None = None
         ) -> Iterator[tuple[list[list[int]], list[list[float]], np.ndarray]]:
     """Prefill every prompt into its row, then decode `chunk` steps per dispatch (to the end when None), or
     verify each row's n-gram drafts one step per dispatch (speculative), yielding each row's new tokens and their
-    logprobs, and every row's finish state [B], after the prefill and after each dispatch."""
+    logprobs, and every row's finish state [B], after the prefill and after each dispatch. rules: each row's
+    grammar (None: free), which the consumer advances with the tokens yielded before the next dispatch; while a
+    row has one, each dispatch decodes one step, and that row gets no drafts. table, entries: the adapter table
+    and each row's entry in it (`linnet_jax.adapters.call_table`), or None."""
     config, params = model.config, model.decode_params
     constrain = model.layout and model.layout.constrain
     rows = range(len(prompts))
-    slots = extend_rows(model, new_slots(model, len(prompts), max_len), list(rows), prompts, [0] * len(prompts),
-                        [options.row(row).requests(max_new_tokens) for row in rows], [True] * len(prompts))
+    rules = rules or [None] * len(prompts)
+    entries = entries or [0] * len(prompts)
+    constrained = any(rule is not None for rule in rules)
+
+    def allow(slots):  # each constrained row's mask for the next token
+        return with_bitmasks(slots, bitmasks(rules, config.vocab_size)) if constrained else slots
+
+    slots = extend_rows(model, allow(new_slots(model, len(prompts), max_len)), list(rows), prompts,
+                        [0] * len(prompts), [options.row(row).requests(max_new_tokens, entries[row]) for row in rows],
+                        [True] * len(prompts), lora=table)
     finish = host(slots.finish)
     histories = [prompt + [token] for prompt, token in zip(prompts, host(slots.token).tolist())]
     yield [[t] for t in host(slots.token).tolist()], [[p] for p in host(slots.logprob).tolist()], finish
-    steps = max_new_tokens - 1 if chunk is None else chunk
+    steps = 1 if constrained else (max_new_tokens - 1 if chunk is None else chunk)
     out_len = bucket(steps) if chunk is None else chunk
     while (finish == RUNNING).any():
         if speculative:
-            drafts = [propose(history, speculative, max_len - len(history)) if finish[row] == RUNNING else []
-                      for row, history in enumerate(histories)]
-            slots, emitted = verify(params, config, slots, *draft_arrays(drafts, speculative.num_speculative_tokens),
-                                    constrain, plan=model.plan)
+            drafts = [propose(history, speculative, max_len - len(history)) if finish[row] == RUNNING
+                      and rules[row] is None else [] for row, history in enumerate(histories)]
+            slots, emitted = verify(params, config, allow(slots),
+                                    *draft_arrays(drafts, speculative.num_speculative_tokens), constrain, plan=model.plan,
+                                    lora=table)
         else:
-            slots, emitted = decode(params, config, slots, np.int32(steps), out_len, constrain, plan=model.plan)
+            slots, emitted = decode(params, config, allow(slots), np.int32(steps), out_len, constrain,
+                                    plan=model.plan, lora=table)
         tokens, logprobs, counts = host(emitted.tokens), host(emitted.logprobs), host(emitted.count)
         finish = host(slots.finish)
         new = [tokens[row, :count].tolist() for row, count in enumerate(counts)]
@@ -84,17 +103,18 @@ class Rows:
     """Each row's output as the dispatches arrive: its text (detokenized once per token), its logprobs, and why it
     stopped (None while it runs). A row that has stopped takes no more tokens."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...], eos: set[int], batch: int):
-        self.texts = [Detokenizer(tokenizer, stops) for _ in range(batch)]
-        self.logprobs: list[list[float]] = [[] for _ in range(batch)]
-        self.reasons: list[str | None] = [None] * batch
-        self.eos = eos
+    def __init__(self, tokenizer, stops: tuple[str, ...], eos: set[int], rules: list[Constraint | None]):
+        self.texts = [Detokenizer(tokenizer, stops) for _ in rules]
+        self.logprobs: list[list[float]] = [[] for _ in rules]
+        self.reasons: list[str | None] = [None] * len(rules)
+        self.eos, self.rules = eos, rules
 
     def add(self, tokens: list[list[int]], logprobs: list[list[float]], finish: np.ndarray) -> None:
-        """One dispatch's new tokens and logprobs per row, and every row's finish state after it."""
+        """One dispatch's new tokens and logprobs per row, and every row's finish state after it (each row's grammar
+        advanced by its tokens)."""
         for row, text in enumerate(self.texts):
             if self.reasons[row] is None:
-                kept, self.reasons[row] = take(text, tokens[row], int(finish[row]), self.eos)
+                kept, self.reasons[row] = take(text, tokens[row], int(finish[row]), self.eos, self.rules[row])
                 self.logprobs[row] += logprobs[row][:kept]
 
     @property
@@ -108,21 +128,29 @@ class Rows:
 
 
 def generate(model: Model, prompt=None, max_new_tokens: int = 128, *, tokens=None, max_len: int | None = None,
-             temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=0,
-             stop: str | list[str] | None = None, stop_token_ids=None, ignore_eos: bool = False,
-             chat: bool | None = None, stream: bool = False, return_details: bool = False, speculative=None):
+             temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+             frequency_penalty=0.0, logit_bias=None, seed=0, stop: str | list[str] | None = None,
+             stop_token_ids=None, ignore_eos: bool = False, chat: bool | None = None, stream: bool = False,
+             return_details: bool = False, speculative=None, structured=None, lora=None):
     """Generate from text, conversations or ids. See the README for every input and result form.
 
     prompt: a string, a list of strings, a conversation ([{"role", "content"}, ...]) or a list of
     them; or tokens: a list of id lists. Greedy at temperature 0; otherwise temperature, top_k,
     top_p, min_p and repetition_penalty (numbers, or one per prompt), seeded: seed is one int (row b
-    draws stream b of it) or one per prompt (each prompt draws as it would alone). Stops at the
+    draws stream b of it) or one per prompt (each prompt draws as it would alone). presence_penalty and
+    frequency_penalty (OpenAI's, in [-2, 2], over the generated tokens; numbers or one per prompt) and logit_bias
+    ({token id: bias in [-100, 100]}, at most 300; one dict or one per prompt) apply after the repetition penalty.
+    structured: the output follows a grammar, {"json": schema}, {"regex": pattern}, {"choice": [strings]} or
+    {"grammar": Lark or GBNF text}, one for every prompt or one (or None) per prompt; a row whose grammar is
+    complete stops with "stop". Stops at the
     model's eos ids and stop_token_ids (unless ignore_eos), at stop strings, or after max_new_tokens.
     max_len: the cache slots per row (prompt + new tokens); default a bucket that fits them.
     stream=True (one prompt) returns an iterator of text pieces. speculative: n-gram drafts from each row's own
     prompt and output, verified in one forward per step (`linnet_jax.speculative`; vLLM's names, e.g.
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}): the
     same tokens as without it, greedy or seeded, in fewer steps when the output repeats the context.
+    lora: LoRA adapters (a PEFT adapter directory's path, as `export.peft` writes it, or a `Lora`) for every
+    prompt, or a list of one per prompt (None: the base model), all served in one batch.
     A value that cannot be honoured raises a RequestError (a ValueError) naming its argument.
     """
     prompts = make_prompts(model, prompt, tokens, chat)
@@ -134,13 +162,17 @@ def generate(model: Model, prompt=None, max_new_tokens: int = 128, *, tokens=Non
                                      "returns the result")
     batch = len(prompts.prompts)
     options = sampling_options(model, batch, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                               repetition_penalty=repetition_penalty, seed=seed, stop=stop,
+                               repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                               frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed, stop=stop,
                                stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
     speculative = speculative_config(speculative)
+    rules = constraints(model, structured, batch) if structured is not None else [None] * batch
     max_len = plan_cache(model.config, prompts.prompts, max_new_tokens, max_len)
+    table, entries = call_table(model, lora, batch)
     chunk = STREAM_CHUNK if stream else (STOP_STRING_CHUNK if options.stops else None)
-    dispatches = run(model, prompts.prompts, options, max_new_tokens, max_len, chunk, speculative)
-    rows = Rows(model.tokenizer, options.stops, eos_ids(model), batch)
+    dispatches = run(model, prompts.prompts, options, max_new_tokens, max_len, chunk, speculative, rules, table,
+                     entries)
+    rows = Rows(model.tokenizer, options.stops, eos_ids(model), rules)
     if stream:
         return _stream(rows, dispatches)
     for dispatch in dispatches:

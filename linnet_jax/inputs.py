@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet_jax.decode import Request, Slots, empty_slots, extend
+from linnet_jax.decode import BIAS_SLOTS, Request, Slots, empty_slots, extend
 from linnet_jax.loaded import Model, as_token_batch
 from linnet_jax.ops import SamplingParams
 
@@ -59,13 +59,13 @@ def new_slots(model: Model, batch: int, max_len: int) -> Slots:
 
 
 def extend_rows(model: Model, slots: Slots, rows: list[int], chunks: list[list[int]], starts: list[int],
-                requests: list[Request], last: list[bool], height: int | None = None, width: int | None = None
-                ) -> Slots:
+                requests: list[Request], last: list[bool], height: int | None = None, width: int | None = None,
+                lora=None) -> Slots:
     """Prompt chunks into rows of the decode state in one `extend` dispatch: chunk i (its tokens at positions
     starts[i] ..) into row rows[i], with its request (one row each); last[i]: it ends its prompt (the row's
     first token is chosen). Padded to `height` rows (padding rows write nothing) and `width` columns; by
     default the rows given and the bucket of the longest chunk. Chunks that all begin their prompts read and
-    write only their rows' first `width` slots."""
+    write only their rows' first `width` slots. lora: the adapter table (`models.lora.LoraTable`) or None."""
     height, width = height or len(rows), width or bucket(max(map(len, chunks)), slots.cache.max_len)
     padding = height - len(rows)
     tokens = np.zeros((height, width), np.int32)
@@ -76,7 +76,7 @@ def extend_rows(model: Model, slots: Slots, rows: list[int], chunks: list[list[i
     return extend(model.decode_params, model.config, slots, column(rows, slots.token.shape[0], np.int32), tokens,
                   column(starts, 0, np.int32), column(map(len, chunks), 0, np.int32), request,
                   column(last, False, bool), model.layout and model.layout.constrain, model.plan,
-                  width if not any(starts) else None)
+                  width if not any(starts) else None, lora=lora)
 
 
 # --- prompts --------------------------------------------------------------------------------------------------
@@ -189,14 +189,49 @@ def row_keys(seed, batch: int) -> np.ndarray:
     return np.stack([seed_key(seed, row) for row in range(batch)])
 
 
-def make_sampling(batch: int, temperature, top_k, top_p, min_p, repetition_penalty, seed) -> SamplingParams:
-    """Per-row sampling arrays, validated, with each row's key (`row_keys`)."""
+def bias_row(logit_bias, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """One row's logit bias ({id: bias}, ids as ints or digit strings, as OpenAI's JSON sends them; None: none)
+    as its ids [BIAS_SLOTS] int32 and biases [BIAS_SLOTS] float32, padded with id 0 and bias 0."""
+    entries = {} if logit_bias is None else logit_bias
+    if not isinstance(entries, dict):
+        raise RequestError("logit_bias", f"logit_bias must be a dict of token id -> bias, got {logit_bias!r}")
+    if len(entries) > BIAS_SLOTS:
+        raise RequestError("logit_bias", f"logit_bias holds {len(entries)} entries; at most {BIAS_SLOTS} are supported")
+    ids, values = np.zeros(BIAS_SLOTS, np.int32), np.zeros(BIAS_SLOTS, np.float32)
+    for i, (token, bias) in enumerate(entries.items()):
+        if isinstance(token, str) and token.strip().lstrip("-").isdigit():
+            token = int(token)
+        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab:
+            raise RequestError("logit_bias", f"logit_bias keys must be token ids in [0, {vocab}), got {token!r}")
+        if isinstance(bias, (bool, np.bool_)) or not isinstance(bias, (int, float, np.number)) \
+                or not -100 <= bias <= 100:
+            raise RequestError("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {bias!r} for "
+                                             f"token {token}")
+        ids[i], values[i] = token, bias
+    return ids, values
+
+
+def bias_table(logit_bias, batch: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """The logit bias of every row, one dict for all or one per row: ids [B, BIAS_SLOTS], biases [B, BIAS_SLOTS]."""
+    rows = list(logit_bias) if isinstance(logit_bias, (list, tuple)) else [logit_bias] * batch
+    if len(rows) != batch:
+        raise RequestError("logit_bias", f"logit_bias must be one dict or one per prompt ({batch}), got {len(rows)}")
+    ids, values = zip(*(bias_row(row, vocab) for row in rows))
+    return np.stack(ids), np.stack(values)
+
+
+def make_sampling(batch: int, temperature, top_k, top_p, min_p, repetition_penalty, seed, presence_penalty=0.0,
+                  frequency_penalty=0.0, bias: tuple[np.ndarray, np.ndarray] | None = None) -> SamplingParams:
+    """Per-row sampling arrays, validated, with each row's key (`row_keys`) and logit bias (`bias_table`'s ids
+    and biases; None: none)."""
     values = dict(
         temperature=per_row("temperature", temperature, batch, np.float32),
         top_k=per_row("top_k", top_k, batch, np.int32),
         top_p=per_row("top_p", top_p, batch, np.float32),
         min_p=per_row("min_p", min_p, batch, np.float32),
         repetition_penalty=per_row("repetition_penalty", repetition_penalty, batch, np.float32),
+        presence_penalty=per_row("presence_penalty", presence_penalty, batch, np.float32),
+        frequency_penalty=per_row("frequency_penalty", frequency_penalty, batch, np.float32),
     )
     checks = {
         "temperature": (values["temperature"] >= 0, "≥ 0"),
@@ -204,11 +239,14 @@ def make_sampling(batch: int, temperature, top_k, top_p, min_p, repetition_penal
         "top_p": ((values["top_p"] > 0) & (values["top_p"] <= 1), "in (0, 1]"),
         "min_p": ((values["min_p"] >= 0) & (values["min_p"] <= 1), "in [0, 1]"),
         "repetition_penalty": (values["repetition_penalty"] > 0, "> 0"),
+        "presence_penalty": (np.abs(values["presence_penalty"]) <= 2, "in [-2, 2]"),
+        "frequency_penalty": (np.abs(values["frequency_penalty"]) <= 2, "in [-2, 2]"),
     }
     for field, (ok, expected) in checks.items():
         if not ok.all():
             raise RequestError(field, f"{field} must be {expected}, got {values[field].tolist()}")
-    return SamplingParams(**values, keys=row_keys(seed, batch))
+    bias_ids, bias = bias_table(None, batch, 0) if bias is None else bias
+    return SamplingParams(**values, bias_ids=bias_ids, bias=bias, keys=row_keys(seed, batch))
 
 
 def stop_strings(stop, tokenizer) -> tuple[str, ...]:
@@ -246,11 +284,13 @@ def stop_id_array(model: Model, stop_token_ids, ignore_eos: bool) -> np.ndarray:
     return np.asarray(sorted(ids) + [-1] * (STOP_ID_SLOTS - len(ids)), np.int32)
 
 
-def make_requests(sampling: SamplingParams, stop_ids: np.ndarray, max_new_tokens: int) -> Request:
-    """The decode core's per-row request arrays: [B] sampling rows, the same stop ids and budget for each."""
+def make_requests(sampling: SamplingParams, stop_ids: np.ndarray, max_new_tokens: int, adapter=0) -> Request:
+    """The decode core's per-row request arrays: [B] sampling rows, the same stop ids and budget for each, and
+    each row's adapter table entry (a number, or one per row; 0: the base model)."""
     batch = sampling.keys.shape[0]
     return Request(sampling=sampling, stop_ids=np.tile(stop_ids, (batch, 1)),
-                   max_new=np.full((batch,), max_new_tokens, np.int32))
+                   max_new=np.full((batch,), max_new_tokens, np.int32),
+                   adapter=np.broadcast_to(np.asarray(adapter, np.int32), (batch,)).copy())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,16 +306,18 @@ class SamplingOptions:
         """Row `index` alone (B = 1): stream `index` of a single seed."""
         return dataclasses.replace(self, sampling=jax.tree.map(lambda column: column[index:index + 1], self.sampling))
 
-    def requests(self, max_new_tokens: int) -> Request:
-        """The decode core's [B] request rows, each with a budget of max_new_tokens."""
-        return make_requests(self.sampling, self.stop_ids, max_new_tokens)
+    def requests(self, max_new_tokens: int, adapter=0) -> Request:
+        """The decode core's [B] request rows, each with a budget of max_new_tokens and adapter entry `adapter`."""
+        return make_requests(self.sampling, self.stop_ids, max_new_tokens, adapter)
 
 
 def sampling_options(model: Model, rows: int, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
-                     repetition_penalty=1.0, seed=0, stop=None, stop_token_ids=None,
-                     ignore_eos: bool = False) -> SamplingOptions:
+                     repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, seed=0,
+                     stop=None, stop_token_ids=None, ignore_eos: bool = False) -> SamplingOptions:
     """The options of `rows` rows, each a number or one per row (seed: one int, row b drawing stream b of it, or
-    one per row); a RequestError names the first field that cannot be honoured."""
+    one per row; logit_bias: one dict or one per row); a RequestError names the first field that cannot be
+    honoured."""
     return SamplingOptions(
-        sampling=make_sampling(rows, temperature, top_k, top_p, min_p, repetition_penalty, seed),
+        sampling=make_sampling(rows, temperature, top_k, top_p, min_p, repetition_penalty, seed, presence_penalty,
+                               frequency_penalty, bias_table(logit_bias, rows, model.config.vocab_size)),
         stops=stop_strings(stop, model.tokenizer), stop_ids=stop_id_array(model, stop_token_ids, ignore_eos))

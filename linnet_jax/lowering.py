@@ -3,7 +3,9 @@
 The programs are the ones `generate`, `serve.Engine` and a train step compile: `extend_{C}` (a prompt's
 first chunk of C tokens, reading its own C slots) and `extend_{C}_continued` (a later chunk, reading the
 row's max_len slots) for each chunk bucket C up to the engine's prefill_chunk, `decode`, `verify` (n-gram
-drafts), `free`, and `train_step` (AdamW, full fine-tuning).
+drafts), `free`, and `train_step` (AdamW, full fine-tuning); and, for an engine serving LoRA adapters, each
+extend, decode and verify again as `{name}_lora` (taking the engine's adapter table: its default max_loras
+adapters and the base, at its default max_lora_rank) and `put_lora` (an adapter written into the table).
 Each takes what it takes on that platform under its hardware plan (`linnet_jax.backend`): on a GPU or
 TPU the stacked `[layers, ...]` weights, sliced inside the program, and XLA's own products. Nothing is
 placed on a device: the arguments are shapes (`jax.ShapeDtypeStruct`) and `Traced.lower` takes the
@@ -15,10 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from linnet_jax.adapters import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, put_entry
 from linnet_jax.backend import decode_params, plan_for_platform
-from linnet_jax.decode import decode, empty_slots, extend, free, verify
+from linnet_jax.decode import decode_program, empty_slots, extend, free, verify
 from linnet_jax.inputs import MIN_BUCKET, STOP_ID_SLOTS, buckets, make_requests, make_sampling
 from linnet_jax.loaded import Model
+from linnet_jax.models.config import Config
+from linnet_jax.models.lora import FIELDS, LoraTable, lora_shapes
 from linnet_jax.train.step import init_state, make_train_step
 
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -51,19 +56,34 @@ def lowered(model: Model, platform: str, *, batch: int = 1, max_len: int = 1024)
     slots = jax.eval_shape(lambda: empty_slots(config, batch, max_len, STOP_ID_SLOTS, dtype))
     slot = jax.ShapeDtypeStruct((), jnp.int32)
     row = jax.ShapeDtypeStruct((1,), jnp.int32)
-    programs = {}
-    for width in buckets(min(PREFILL_CHUNK, max_len)):
-        chunk = (params, config, slots, row, jax.ShapeDtypeStruct((1, width), jnp.int32), row, row, request,
-                 jax.ShapeDtypeStruct((1,), jnp.bool_))
-        programs[f"extend_{width}"] = extend.trace(*chunk, plan=plan, span=width)
-        programs[f"extend_{width}_continued"] = extend.trace(*chunk, plan=plan)
-    programs["decode"] = decode.trace(params, config, slots, slot, DECODE_STEPS, plan=plan)
     drafts = jax.ShapeDtypeStruct((batch, DRAFTS), jnp.int32)
-    programs["verify"] = verify.trace(params, config, slots, drafts, jax.ShapeDtypeStruct((batch,), jnp.int32),
-                                      plan=plan)
+    table = table_shapes(config, DEFAULT_MAX_LORAS + 1, DEFAULT_MAX_LORA_RANK, config.dtype)
+    programs = {}
+    for suffix, lora in (("", None), ("_lora", table)):
+        for width in buckets(min(PREFILL_CHUNK, max_len)):
+            chunk = (params, config, slots, row, jax.ShapeDtypeStruct((1, width), jnp.int32), row, row, request,
+                     jax.ShapeDtypeStruct((1,), jnp.bool_))
+            programs[f"extend_{width}{suffix}"] = extend.trace(*chunk, plan=plan, span=width, lora=lora)
+            programs[f"extend_{width}_continued{suffix}"] = extend.trace(*chunk, plan=plan, lora=lora)
+        programs[f"decode{suffix}"] = decode_program(plan.decode_options(batch)).trace(
+            params, config, slots, slot, DECODE_STEPS, plan=plan, lora=lora)
+        programs[f"verify{suffix}"] = verify.trace(params, config, slots, drafts,
+                                                   jax.ShapeDtypeStruct((batch,), jnp.int32), plan=plan, lora=lora)
     programs["free"] = free.trace(slots, slot)
+    entry = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), table)  # one entry's a, b, scale
+    programs["put_lora"] = put_entry.trace(table, slot, entry.a, entry.b, entry.scale)
     programs["train_step"] = train_step_traced(model, batch, max_len)
     return {name: traced.lower(lowering_platforms=platforms).as_text() for name, traced in programs.items()}
+
+
+def table_shapes(config: Config, entries: int, rank: int, dtype) -> LoraTable:
+    """The shapes of an engine's adapter table (`linnet_jax.adapters.AdapterTable`): `entries` entries of rank
+    `rank` on every projection, a [N, L, *I, R] and b [N, L, R, *O] in `dtype`, scale [N] float32."""
+    def stacked(part: str) -> dict[str, jax.ShapeDtypeStruct]:
+        return {field: jax.ShapeDtypeStruct((entries, *lora_shapes(config, field, rank)[part]), dtype)
+                for field in FIELDS}
+
+    return LoraTable(a=stacked("a"), b=stacked("b"), scale=jax.ShapeDtypeStruct((entries,), jnp.float32))
 
 
 def train_step_traced(model: Model, batch: int, length: int) -> jax.stages.Traced:

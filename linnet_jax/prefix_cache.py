@@ -124,19 +124,21 @@ class PrefixCache:
         shardings = model.layout.cache_shardings(model.config, self.capacity, self.block)
         return jax.jit(init_cache, static_argnums=range(4), out_shardings=shardings)(*args)
 
-    def digests(self, tokens: list[int], blocks: int) -> list[bytes]:
-        """The names of the first `blocks` blocks of tokens: each a digest of every token up to its end."""
-        names, digest = [], hashlib.blake2b(digest_size=16)
+    def digests(self, tokens: list[int], blocks: int, key: bytes) -> list[bytes]:
+        """The names of the first `blocks` blocks of tokens: each a digest of `key` (what else the keys and values
+        depend on: the adapter; b"" for the base model) and every token up to its end."""
+        names, digest = [], hashlib.blake2b(digest_size=16, key=key)
         for b in range(blocks):
             digest.update(np.asarray(tokens[b * self.block:(b + 1) * self.block], np.int64).tobytes())
             names.append(digest.copy().digest())
         return names
 
-    def lookup(self, prompt: list[int]) -> list[int]:
+    def lookup(self, prompt: list[int], key: bytes = b"") -> list[int]:
         """The pool blocks of the prompt's longest cached prefix of whole blocks, leaving at least its last token to
-        prefill (its logits choose the first new one); counted in hit_tokens and lookup_tokens."""
+        prefill (its logits choose the first new one); counted in hit_tokens and lookup_tokens. key: the adapter's
+        (`digests`)."""
         hit = []
-        for name in self.digests(prompt, min((len(prompt) - 1) // self.block, self.row_blocks)):
+        for name in self.digests(prompt, min((len(prompt) - 1) // self.block, self.row_blocks), key):
             if name not in self.ids:
                 break
             self.ids.move_to_end(name)
@@ -160,11 +162,11 @@ class PrefixCache:
         return restore_blocks(self.pool, slots, np.int32(0), self.heads, nothing, np.int32(0),
                               np.full((self.row_blocks * self.block,), -1, np.int32))
 
-    def store(self, slots: Slots, row: int, prompt: list[int]) -> None:
+    def store(self, slots: Slots, row: int, prompt: list[int], key: bytes = b"") -> None:
         """Keep the prompt's whole blocks (prefilled into state row `row`) that the cache lacks, evicting the least
-        recently used blocks when it is full."""
+        recently used blocks when it is full. key: the adapter's (`digests`)."""
         ids = np.full((self.row_blocks,), self.capacity, np.int32)
-        for b, name in enumerate(self.digests(prompt, min(len(prompt) // self.block, self.row_blocks))):
+        for b, name in enumerate(self.digests(prompt, min(len(prompt) // self.block, self.row_blocks), key)):
             if name in self.ids:
                 self.ids.move_to_end(name)
                 continue

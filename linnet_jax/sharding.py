@@ -27,6 +27,7 @@ same devices and names instead, so either kind of mesh works.
 """
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -236,6 +237,23 @@ def host(array: jax.Array) -> np.ndarray:
     if array.is_fully_addressable:
         return np.asarray(array)
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def hosts(*arrays: jax.Array) -> tuple[np.ndarray, ...]:
+    """Several arrays' values on the host, as `host` gives each. Arrays that span several processes are replicated
+    by one program (one collective, which every process must run alike), and each process reads its own copy."""
+    if all(array.is_fully_addressable for array in arrays):
+        return tuple(np.asarray(array) for array in arrays)
+    sharding = arrays[0].sharding
+    devices = (sharding.mesh if isinstance(sharding, NamedSharding)
+               else Mesh(np.array(sorted(sharding.device_set, key=lambda device: device.id)), ("all",)))
+    return tuple(np.asarray(array.addressable_data(0)) for array in _replicator(devices)(*arrays))
+
+
+@functools.cache
+def _replicator(mesh: Mesh):
+    """A program that returns its arrays replicated over `mesh` (made once per mesh; compiled once per shapes)."""
+    return jax.jit(lambda *arrays: arrays, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 def shard(model, mesh: Mesh, rules=None):

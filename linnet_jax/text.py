@@ -188,10 +188,12 @@ class Detokenizer:
         return text, slice(start_ids, end)
 
 
-def take(detokenizer: Detokenizer, tokens: list[int], finish: int, eos: set[int]) -> tuple[int, str | None]:
-    """A row's new tokens into its detokenizer; finish: the row's state after them. Returns how many of the
-    tokens are output (a stop id that finished the row is not) and why the row stopped (None while it runs):
-    "stop" for a stop string or a stop id, "eos" for one of the model's eos ids, "length" otherwise."""
+def take(detokenizer: Detokenizer, tokens: list[int], finish: int, eos: set[int], constraint=None
+         ) -> tuple[int, str | None]:
+    """A row's new tokens into its detokenizer (and its grammar, `linnet_jax.structured.Constraint`, when it has
+    one); finish: the row's state after them. Returns how many of the tokens are output (a stop id that finished
+    the row is not) and why the row stopped (None while it runs): "stop" for a stop string, a stop id or a
+    complete grammar, "eos" for one of the model's eos ids, "length" otherwise."""
     stop_id = tokens[-1] if finish == STOP_ID else None
     kept = len(tokens) - (stop_id is not None)
     detokenizer.add(tokens[:kept])
@@ -199,4 +201,6 @@ def take(detokenizer: Detokenizer, tokens: list[int], finish: int, eos: set[int]
         return kept, "stop"
     if stop_id is not None:
         return kept, "eos" if stop_id in eos else "stop"
-    return kept, None if finish == RUNNING else "length"
+    if finish == RUNNING:
+        return kept, "stop" if constraint is not None and constraint.advance(tokens) else None
+    return kept, "length"

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from linnet_jax.models.config import Config
-from linnet_jax.models.lora import Lora
+from linnet_jax.models.lora import Lora, LoraTable
 from linnet_jax.models.params import LayerParams, Params
 from linnet_jax.ops import apply_rope, attention, inverse_frequencies, rms_norm, swiglu
 
@@ -56,8 +56,8 @@ def init_cache(config: Config, batch: int, max_len: int, dtype=None) -> KVCache:
                    v=tuple(jnp.zeros((rows, config.head_dim, max_len), dtype) for _ in layers))
 
 
-def project_qkv(h: jax.Array, lp: LayerParams, config: Config, lora: Lora | None = None, einsum=jnp.einsum
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def project_qkv(h: jax.Array, lp: LayerParams, config: Config, lora: Lora | LoraTable | None = None,
+                einsum=jnp.einsum) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Query, key and value heads of one layer: h [B, T, D] → q [B, T, H, K], k and v [B, T, G, K].
     lora: one layer's adapters, added to the biased projections; einsum: how products run (`forward`)."""
     q = einsum("btd,dhk->bthk", h, lp.wq)
@@ -102,7 +102,7 @@ def decoder_layer(
     layer: int,
     cache: KVCache | None,
     segment_ids: jax.Array | None = None,
-    lora: Lora | None = None,
+    lora: Lora | LoraTable | None = None,
     *,
     einsum=jnp.einsum,
 ) -> tuple[jax.Array, KVCache | None]:
@@ -142,7 +142,7 @@ def forward(
     constrain: Callable[[jax.Array, tuple[str, ...]], jax.Array] | None = None,
     *,
     segment_ids: jax.Array | None = None,
-    lora: Lora | None = None,
+    lora: Lora | LoraTable | None = None,
     remat: bool = False,
     plan=None,
 ) -> tuple[jax.Array, KVCache | None]:
@@ -154,9 +154,11 @@ def forward(
     then only those positions' logits are computed ([B, 1, V]). constrain(array, logical axes):
     applied to the activations at every block boundary and to the logits (sharding constraints,
     `linnet_jax.sharding.Layout.constrain`); None for none.
+    lora: adapters on the projections, the same for every row (`Lora`, stacked on [L]: training's) or each
+    row's own (a `LoraTable` with its rows' entries set, `LoraTable.rows`: serving's).
     For training (no cache only): segment_ids [B, T] int, the document of each token in packed
-    rows, so attention never crosses documents; lora, adapters on the projections (stacked on [L]);
-    remat, recompute each layer's activations in the backward pass (`jax.checkpoint`).
+    rows, so attention never crosses documents; remat, recompute each layer's activations in the backward
+    pass (`jax.checkpoint`).
     plan: the hardware plan (`linnet_jax.backend.Plan`, hashable: static under jit); its einsum is what the
     products run through (`ops.matvec.einsum` for decode on XLA:CPU). None: jnp.einsum.
     Returns (float32 logits [B, T, V] or [B, 1, V], cache).
@@ -168,10 +170,10 @@ def forward(
     x = constrain(jnp.take(params.embed, tokens, axis=0), activation)
     einsum = jnp.einsum if plan is None else plan.einsum
     layer_fn = functools.partial(decoder_layer, einsum=einsum)
-    if cache is not None or isinstance(params.layers, tuple):  # unrolled: window and layer are static ints
-        layer_fn = jax.checkpoint(layer_fn, static_argnums=(2, 4, 5)) if remat else layer_fn
+    if cache is not None or isinstance(params.layers, tuple) or not (lora is None or lora.layer_major):
+        layer_fn = jax.checkpoint(layer_fn, static_argnums=(2, 4, 5)) if remat else layer_fn  # unrolled: static ints
         for layer in range(config.num_layers):
-            adapters = None if lora is None else jax.tree.map(lambda w: w[layer], lora)  # noqa: B023
+            adapters = None if lora is None else lora.layer(layer)
             x, cache = layer_fn(x, layer_params(params, layer), config, positions, config.layer_windows[layer],
                                 layer, cache, segment_ids, adapters)
             x = constrain(x, activation)

@@ -3,7 +3,8 @@ configuration (rank, alpha, projections named as in Hugging Face) and shapes. Cr
 and merging them into the weights is `linnet_jax.train.lora`.
 
 Axis names: L layers, R rank, I a projection's input axes, O its output axes (both as in the
-weight it adapts: wq [D, H, K] has I = (D,) and O = (H, K); wo [H, K, D] has I = (H, K)).
+weight it adapts: wq [D, H, K] has I = (D,) and O = (H, K); wo [H, K, D] has I = (H, K)); for serving several
+adapters at once (`LoraTable`), N table entries and B batch rows, T positions.
 The adapted weights are named by their `LayerParams` fields: wq, wk, wv, wo, w_gate, w_up, w_down.
 """
 
@@ -31,6 +32,11 @@ class Lora:
     b: dict[str, jax.Array]
     # Static (not a leaf) for flax.struct and for jax.tree_util.register_dataclass (the generated JAX source).
     scale: float = dataclasses.field(metadata={"pytree_node": False, "static": True})
+    layer_major = True  # stacked on [L] first: the layer scan can carry them
+
+    def layer(self, layer: int) -> "Lora":
+        """One layer's adapters: a [*I, R], b [R, *O]."""
+        return jax.tree.map(lambda w: w[layer], self)
 
     def add(self, out: jax.Array, name: str, x: jax.Array) -> jax.Array:
         """out + scale · B(A x) when weight `name` is adapted, else out. x: [B, T, *I]; out: [B, T, *O]."""
@@ -43,6 +49,47 @@ def lora_term(x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Arr
     """scale · B(A x): x [B, T, *I]; a [*I, R]; b [R, *O] → [B, T, *O]."""
     low = jnp.tensordot(x, a, axes=a.ndim - 1)  # [B, T, R]
     return jnp.tensordot(low, b, axes=1) * scale
+
+
+@flax.struct.dataclass
+class LoraTable:
+    """N adapters in one table of fixed shape, so that rows of one batch each use their own (PEFT's multi-LoRA
+    serving, as vLLM's): for each adapted weight a [N, L, *I, R] and b [N, L, R, *O] (one layer's [N, *I, R] and
+    [N, R, *O] once `layer` has sliced them); scale [N] float32, each entry's alpha / r (an array: putting a new
+    adapter in changes no program); index [B] int32, each row's entry (set by `rows`). Entry 0 is all zeros:
+    the base model. An adapter of a lower rank than the table's is zero-padded, one without a weight has zeros
+    there."""
+
+    a: dict[str, jax.Array]
+    b: dict[str, jax.Array]
+    scale: jax.Array
+    index: jax.Array | None = None
+    layer_major = False  # entries first: the decoder runs its layers unrolled
+
+    def rows(self, index: jax.Array) -> "LoraTable":
+        """The table with each row's entry, index [B] int32."""
+        return self.replace(index=index)
+
+    def layer(self, layer: int) -> "LoraTable":
+        """One layer's adapters of every entry: a [N, *I, R], b [N, R, *O]."""
+        take = lambda weights: {name: w[:, layer] for name, w in weights.items()}  # noqa: E731
+        return self.replace(a=take(self.a), b=take(self.b))
+
+    def add(self, out: jax.Array, name: str, x: jax.Array) -> jax.Array:
+        """out + each row's scale · B(A x) with its entry's adapters. x: [B, T, *I]; out: [B, T, *O]."""
+        if name not in self.a:
+            return out
+        return out + table_term(x, self.a[name], self.b[name], self.scale, self.index)
+
+
+def table_term(x: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array, index: jax.Array) -> jax.Array:
+    """Each row's scale · B(A x) with its own entry: x [B, T, *I]; a [N, *I, R]; b [N, R, *O]; scale [N];
+    index [B] → [B, T, *O]. Every entry's A x is computed and each row keeps its own entry's (one-hot weights
+    times the scale), so each adapter is read once per step however many rows use it."""
+    inputs = a.ndim - 2
+    low = jnp.tensordot(x, a, axes=(tuple(range(2, 2 + inputs)), tuple(range(1, 1 + inputs))))  # [B, T, N, R]
+    weights = jnp.where(index[:, None] == jnp.arange(a.shape[0]), scale, 0).astype(low.dtype)  # [B, N]
+    return jnp.tensordot(low * weights[:, None, :, None], b, axes=2)  # [B, T, *O]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,3 +126,20 @@ def lora_config_of(lora: Lora) -> LoraConfig:
     alpha = lora.scale * rank
     return LoraConfig(rank=rank, alpha=int(alpha) if float(alpha).is_integer() else alpha,
                       targets=tuple(FIELDS[field] for field in lora.a))
+
+
+def lora_shapes(config: Config, field: str, rank: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of weight `field`'s adapters of rank `rank`, stacked on the layers: {"a": [L, *I, R],
+    "b": [L, R, *O]}."""
+    inputs, outputs = split_shape(config, field)
+    return {"a": (config.num_layers, *inputs, rank), "b": (config.num_layers, rank, *outputs)}
+
+
+def check_shapes(config: Config, lora: Lora) -> None:
+    """A ValueError naming the first adapter whose shape does not fit the model's config."""
+    rank = lora_config_of(lora).rank
+    for field in lora.a:
+        for part, shape in lora_shapes(config, field, rank).items():
+            got = tuple(getattr(lora, part)[field].shape)
+            if got != shape:
+                raise ValueError(f"LoRA {part}[{field!r}] has shape {got}, expected {shape} for this model")

@@ -4,7 +4,8 @@ from linnet_jax.ops.attention import attention
 from linnet_jax.ops.mlp import swiglu
 from linnet_jax.ops.norm import rms_norm
 from linnet_jax.ops.rope import RopeScaling, apply_rope, inverse_frequencies
-from linnet_jax.ops.sampling import SamplingParams, filtered_logits, penalize_repeats, sample
+from linnet_jax.ops.sampling import (SamplingParams, bitmask_words, filtered_logits, masked, penalize_repeats, penalized,
+                                     sample)
 
-__all__ = ["RopeScaling", "SamplingParams", "apply_rope", "attention", "filtered_logits", "inverse_frequencies",
-           "penalize_repeats", "rms_norm", "sample", "swiglu"]
+__all__ = ["RopeScaling", "SamplingParams", "apply_rope", "attention", "bitmask_words", "filtered_logits",
+           "inverse_frequencies", "masked", "penalize_repeats", "penalized", "rms_norm", "sample", "swiglu"]

@@ -4,11 +4,13 @@ parity report printed at the end of the run."""
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import shutil
 import tempfile
 
+import jax
 import numpy as np
 import pytest
 
@@ -18,6 +20,19 @@ import pytest
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="linnet-tests-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_programs_freed_after_each_file():
+    """Every compiled XLA:CPU program holds memory mappings, and JAX keeps each one for the life of the process.
+    An xdist worker that ran a few hundred test files reached Linux's 65,530 mappings (vm.max_map_count) and
+    jaxlib segfaulted in its next compile or serialize: `test_engine.py` and `test_engine_v2.py` alone leave
+    33,800 mappings. Programs a file compiled are dropped after it (a later file reads them back from the
+    persistent cache above)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+
 
 try:  # Python 3.11's suite; Python >= 3.12 has no torch here and runs `pytest -m "not torch"` (.ci/run)
     import torch
@@ -49,7 +64,8 @@ TINY_CONFIGS = {
     "qwen3_qk_norm": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=32)),
 }
 # The fixtures that build a model with transformers: every test using one is marked `torch`.
-REFERENCE_FIXTURES = {"tiny_dir", "shardable_dir", "smollm2_reference", "smollm2_reference_tokenizer", "tiny_chat"}
+REFERENCE_FIXTURES = {"tiny_dir", "shardable_dir", "smollm2_reference", "smollm2_reference_tokenizer", "tiny_chat",
+                      "tiny_chat_dir"}
 
 
 def record_parity(case: str, diff: float) -> None:
@@ -163,6 +179,26 @@ def smollm2_reference(smollm2_gguf):
 @pytest.fixture(scope="session")
 def smollm2_reference_tokenizer(smollm2_gguf):
     return transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_dir(smollm2, tmp_path_factory):
+    """A random tiny llama with SmolLM2's vocabulary, tokenizer and special ids, saved as an HF directory."""
+    config = transformers.LlamaConfig(**TINY | dict(vocab_size=smollm2.config.vocab_size, num_key_value_heads=2,
+                                                    bos_token_id=smollm2.config.bos_token_id,
+                                                    eos_token_id=list(smollm2.config.eos_token_ids)))
+    directory = tmp_path_factory.mktemp("tiny_chat")
+    random_model(config, seed=0).save_pretrained(directory)
+    smollm2.tokenizer.save(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tiny_chat_dir):
+    """tiny_chat_dir loaded (a module's own; test_train_run's is another model of that name)."""
+    import linnet_jax
+
+    return linnet_jax.load(tiny_chat_dir, progress=False)
 
 
 @pytest.fixture(scope="session")

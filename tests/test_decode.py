@@ -10,8 +10,8 @@ from test_generate import agreed_steps, reference_greedy
 
 import linnet_jax
 from linnet_jax import generate
-from linnet_jax.backend import plan_for_platform
-from linnet_jax.decode import FREE, LENGTH, RUNNING, decode, empty_slots, free
+from linnet_jax.backend import XLA_DOTS, plan_for_platform
+from linnet_jax.decode import FREE, LENGTH, RUNNING, decode, decode_program, empty_slots, free
 from linnet_jax.inputs import STOP_ID_SLOTS, extend_rows, make_requests, make_sampling, new_slots, stop_id_array
 from linnet_jax.sharding import host
 
@@ -102,7 +102,7 @@ def test_seed_per_prompt_is_the_same_alone_and_at_any_row(tiny_dir):
 
 def update_ops(model, batch: int) -> int:
     slots = jax.eval_shape(lambda: empty_slots(model.config, batch, 64, STOP_ID_SLOTS, model.params.embed.dtype))
-    text = decode.lower(model.decode_params, model.config, slots, np.int32(4), 4, plan=model.plan).as_text()
+    text = decode_program().lower(model.decode_params, model.config, slots, np.int32(4), 4, plan=model.plan).as_text()
     return sum(len(re.findall(rf"{op}\b", text)) for op in UPDATE_OPS)
 
 
@@ -161,6 +161,24 @@ def test_a_row_reused_by_a_shorter_request_never_reads_the_longer_ones_slots(tin
     row0 = host(slots.cache.k[0])[:heads]
     assert not np.array_equal(row0[:, :10], stale[:, :10])  # the short request's 10 positions, written again
     assert np.array_equal(row0[:, 10:49], stale[:, 10:49])  # the rest left as it was: masked, never read
+
+def test_the_plan_compiles_mid_width_decode_with_xla_dots(tiny_dir):
+    """On one CPU device the plan compiles a decode program of 8 to 24 rows without YNNPACK's fusions (XLA's own
+    dots), others with them; 16 rows, greedy and sampled, give the tokens the default program gives."""
+    model = linnet_jax.load(tiny_dir("llama_gqa_llama3")[1], progress=False)
+    assert [model.plan.decode_options(rows) for rows in (4, 8, 16, 24, 32)] == [(), XLA_DOTS, XLA_DOTS, XLA_DOTS, ()]
+    rng = np.random.default_rng(4)
+    jobs = [Job(rng.integers(3, 256, 5 + row).tolist(), 12, temperature=0.8 * (row % 2), seed=row) for row in range(16)]
+    filled = lambda: extend_rows(model, new_slots(model, 16, 64), list(range(16)), [job.prompt for job in jobs],  # noqa: E731
+                                 [0] * 16, [job.request(model) for job in jobs], [True] * 16)
+    arguments = lambda: (model.decode_params, model.config, filled(), np.int32(11), 16, None, False, model.plan)  # noqa: E731
+    programs = {"plan": decode_program(XLA_DOTS), "default": decode_program()}
+    compiled = {name: program.lower(*arguments()).compile().as_text() for name, program in programs.items()}
+    assert "ynn_fusion" in compiled["default"] and "ynn_fusion" not in compiled["plan"]
+    tokens = {name: host(program(*arguments())[1].tokens) for name, program in programs.items()}
+    assert np.array_equal(tokens["plan"], tokens["default"])
+    assert np.array_equal(host(decode(*arguments())[1].tokens), tokens["plan"])  # `decode` runs the plan's program
+
 
 def test_gpu_tpu_path_makes_no_second_copy_of_the_weights(smollm2):
     model = dataclasses.replace(smollm2)  # a fresh Model, its plan (a cached property) preset to a GPU's

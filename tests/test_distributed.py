@@ -7,8 +7,6 @@ the suite. The worker is tests/distributed_worker.py."""
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from batches import right_padded
+from processes import Group, cpu_env, free_port
 
 import linnet_jax
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
-ROOT = Path(__file__).parents[1]
 PROCESSES = 2
 TIMEOUT_S = 240
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [12], [40, 41, 42, 43, 44], [100, 101],
@@ -44,18 +42,6 @@ def reference(shardable_dir):
     return ids, logits[np.arange(len(PROMPTS)), [len(p) - 1 for p in PROMPTS]]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stderr_tail(path: Path, chars: int = 4000) -> str:
-    """The end of a worker's stderr without gloo's connection chatter."""
-    lines = [line for line in path.read_text(errors="replace").splitlines() if not line.startswith("[Gloo]")]
-    return "\n".join(lines)[-chars:]
-
-
 def run_workers(model_dir: Path, request: dict, log_dir: Path, timeout: float, num_processes: int = PROCESSES,
                 process_ids=None, started: list | None = None) -> list[dict]:
     """Start a worker for each of process_ids (default: all of num_processes) and return their JSON lines.
@@ -63,40 +49,15 @@ def run_workers(model_dir: Path, request: dict, log_dir: Path, timeout: float, n
     Fails, with every worker's stderr tail, when one exits non-zero or all are not done by `timeout`
     seconds; either way every worker's process group is killed before this returns.
     """
-    started = [] if started is None else started
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env |= {"JAX_PLATFORMS": "cpu", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    port, env = free_port(), cpu_env()
     process_ids = range(num_processes) if process_ids is None else process_ids
-    logs = [(log_dir / f"worker{i}.out", log_dir / f"worker{i}.err") for i in process_ids]
-    report = lambda: "\n".join(  # noqa: E731
-        f"--- worker {i} (exit {p.poll()}) stderr tail:\n{stderr_tail(err)}"
-        for i, p, (_, err) in zip(process_ids, started, logs))
-    try:
-        for i, (out, err) in zip(process_ids, logs):
-            with open(out, "w") as stdout, open(err, "w") as stderr:
-                started.append(subprocess.Popen(
-                    [sys.executable, str(WORKER), str(model_dir), str(port), str(i), str(num_processes),
-                     json.dumps(request)],
-                    stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
-                    start_new_session=True))
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in started):
-            if any(p.poll() not in (None, 0) for p in started):
-                pytest.fail(f"a distributed worker failed\n{report()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"distributed workers timed out after {timeout} s\n{report()}")
-            time.sleep(0.2)
-        if any(p.returncode != 0 for p in started):
-            pytest.fail(f"a distributed worker failed\n{report()}")
-    finally:
-        for process in started:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # the worker and anything it started
-            except ProcessLookupError:
-                pass
-            process.wait()
-    return [json.loads(line) for out, _ in logs for line in out.read_text().splitlines() if line.startswith("{")]
+    with Group(log_dir, started) as group:
+        for i in process_ids:
+            group.start(f"worker{i}", [sys.executable, str(WORKER), str(model_dir), str(port), str(i),
+                                       str(num_processes), json.dumps(request)], env)
+        group.wait(lambda: all(p.poll() is not None for p in group.started), timeout, "the distributed workers")
+    return [json.loads(line) for i in process_ids for line in group.stdout(f"worker{i}").splitlines()
+            if line.startswith("{")]
 
 
 def test_two_processes_generate_the_ids_of_one(shardable_dir, reference, tmp_path):
@@ -121,7 +82,7 @@ def test_a_hung_worker_times_out_and_nothing_is_left_running(shardable_dir, tmp_
     with pytest.raises(pytest.fail.Exception, match="timed out") as failure:
         run_workers(shardable_dir, {"prompts": PROMPTS, "max_new_tokens": 1, "cases": []}, tmp_path, timeout=10,
                     num_processes=3, process_ids=(0, 1), started=started)
-    assert "--- worker 0" in str(failure.value) and "--- worker 1" in str(failure.value)
+    assert "--- worker0" in str(failure.value) and "--- worker1" in str(failure.value)
     assert len(started) == 2
     for process in started:
         assert process.returncode == -signal.SIGKILL

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import record_parity, reference_logits, transformers
+from standalone import imported_modules, run_python, run_standalone
 
 import linnet_jax
 from linnet_jax import cli, export
@@ -22,7 +23,6 @@ from linnet_jax.export import _jax_source
 from linnet_jax.models.params import flatten_params, unstack_layers
 
 ROOT = Path(__file__).resolve().parent.parent
-BLOCKED = 'import sys\nsys.modules["linnet_jax"] = None\nsys.modules["flax"] = None\n'
 STANDALONE_IMPORTS = {"collections", "dataclasses", "functools", "math", "pathlib", "jax", "numpy", "safetensors"}
 TINY_PROMPT = [int(i) for i in np.random.default_rng(0).integers(3, 256, 20)]  # bucket 32
 TINY_NEW = 12
@@ -30,14 +30,6 @@ SMOLLM2_NEW = 16
 
 
 LOADER = ROOT / "linnet_jax" / "export" / "stablehlo_loader.py"
-
-
-def imported_modules(source: str) -> set[str]:
-    """The top-level modules a Python source imports."""
-    tree = ast.parse(source)
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
-    return imported | {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
 
 
 def exported_loader(out: Path):
@@ -52,19 +44,6 @@ def eight_devices() -> dict[str, str]:
     """A child's environment with 8 fake CPU devices (this process keeps its one)."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
     return os.environ | {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-
-
-def run_python(script: str, directory: Path, env: dict[str, str] | None = None) -> None:
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                            cwd=directory, env=env)
-    assert result.returncode == 0, result.stderr[-6000:]
-
-
-def run_standalone(script: str, directory: Path, env: dict[str, str] | None = None) -> tuple[list[int], np.ndarray]:
-    """Run script in a fresh python where importing linnet_jax or flax fails. The script leaves the new ids
-    in ids.json and their logits [N, V] in logits.npy, in directory."""
-    run_python(BLOCKED + script, directory, env)
-    return json.loads((directory / "ids.json").read_text()), np.load(directory / "logits.npy")
 
 
 def stablehlo_run(out: Path, ids: list[int], new: int,
@@ -308,7 +287,7 @@ def test_exports_refuse_bad_arguments(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("fmt, dtype, written", [
     ("stablehlo", None, "manifest.json"), ("jax-source", "bfloat16", "model.py"), ("hf", None, "config.json"),
-    ("gguf", "q8_0", None)])
+    ("gguf", "q8_0", None), ("torch-source", "bfloat16", "model.py"), ("onnx", "float16", "decode.onnx")])
 def test_cli_export_dispatches_each_format(tiny_dir, tmp_path, fmt, dtype, written):
     directory = tiny_dir("llama_linear_untied")[1]  # GGUF has no llama3 rope scaling
     out = tmp_path / ("m.gguf" if fmt == "gguf" else "out")
@@ -316,8 +295,10 @@ def test_cli_export_dispatches_each_format(tiny_dir, tmp_path, fmt, dtype, writt
     assert cli.main(argv + (["--dtype", dtype] if dtype else [])) == 0
     if written:
         assert (out / written).exists()
-    if fmt == "jax-source":
+    if fmt in ("jax-source", "torch-source"):
         assert "dtype = 'bfloat16'" in (out / "model.py").read_text()
+    if fmt == "onnx":
+        assert json.loads((out / "manifest.json").read_text())["dtype"] == "float16"
     if fmt == "gguf":
         import gguf
 

@@ -84,7 +84,9 @@ def draws(logits: np.ndarray, n: int, **settings) -> np.ndarray:
     params = SamplingParams(
         temperature=full(settings.get("temperature", 1.0), jnp.float32), top_k=full(settings.get("top_k", 0), jnp.int32),
         top_p=full(settings.get("top_p", 1.0), jnp.float32), min_p=full(settings.get("min_p", 0.0), jnp.float32),
-        repetition_penalty=full(1.0, jnp.float32), keys=jax.random.split(jax.random.PRNGKey(0), n))
+        repetition_penalty=full(1.0, jnp.float32), presence_penalty=full(0.0, jnp.float32),
+        frequency_penalty=full(0.0, jnp.float32), bias_ids=jnp.zeros((n, 1), jnp.int32), bias=jnp.zeros((n, 1)),
+        keys=jax.random.split(jax.random.PRNGKey(0), n))
     return np.asarray(sample(jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (n, logits.size)), params, 0))
 
 
@@ -114,6 +116,22 @@ def test_sampling_without_filters_skips_the_sort_and_draws_the_same():
 def test_sampling_follows_the_distribution():
     chosen = draws(np.log(PROBS), 20000)
     assert np.abs(np.bincount(chosen, minlength=7) / 20000 - PROBS).max() < 0.015
+
+
+def test_the_two_level_draw_follows_the_distribution_across_blocks():
+    """V = 1000 (four blocks of 256, the last padded): mass in three blocks, -inf everywhere else, and
+    uniforms at the ends of [0, 1): every draw is an allowed token, at its probability."""
+    from linnet_jax.ops.sampling import inverse_cdf_draw
+
+    probs = {3: 0.2, 255: 0.1, 256: 0.3, 700: 0.15, 999: 0.25}  # a block's first and last, and the padded one's
+    logits = np.full(1000, -np.inf, np.float32)
+    logits[list(probs)] = np.log(list(probs.values()))
+    uniform = np.concatenate([np.random.default_rng(0).random(20000), [0.0, np.nextafter(1, 0, dtype=np.float32)]])
+    chosen = np.asarray(inverse_cdf_draw(jnp.broadcast_to(jnp.asarray(logits), (uniform.size, 1000)),
+                                         jnp.asarray(uniform, jnp.float32)))
+    assert set(chosen.tolist()) == set(probs)
+    frequency = np.bincount(chosen[:20000], minlength=1000) / 20000
+    assert max(abs(frequency[token] - p) for token, p in probs.items()) < 0.015
 
 
 def test_seeds(smollm2):

@@ -9,7 +9,8 @@ import httpx
 import jax
 import numpy as np
 import pytest
-from test_serve import MODEL, WORDS, serving, tiny_chat, tiny_chat_dir  # noqa: F401 (fixtures)
+from conftest import record_parity
+from test_serve import MODEL, WORDS, serving
 
 import linnet_jax
 from linnet_jax import generate
@@ -35,7 +36,7 @@ TASKS = {
 
 
 @pytest.fixture(scope="module")
-def url(tiny_chat):  # noqa: F811
+def url(tiny_chat):
     with Engine(tiny_chat, slots=4, max_len=128) as engine, serving(engine) as url:
         yield url
 
@@ -52,7 +53,7 @@ def completion(url: str, **body) -> dict:
     return response.json()
 
 
-def test_echo_returns_prompt_logprobs_in_openai_shape(tiny_chat, url):  # noqa: F811
+def test_echo_returns_prompt_logprobs_in_openai_shape(tiny_chat, url):
     tokenizer = tiny_chat.tokenizer
     ids = tokenizer.encode("the sea a cat ran over blue hills", add_special_tokens=False)
     expected = direct_logprobs(tiny_chat, ids)
@@ -83,7 +84,7 @@ def test_echo_returns_prompt_logprobs_in_openai_shape(tiny_chat, url):  # noqa: 
     assert plain["text"].startswith("the sea") and plain["logprobs"] is None
 
 
-def test_echo_scores_a_batch_of_prompts_of_many_lengths(tiny_chat, url):  # noqa: F811
+def test_echo_scores_a_batch_of_prompts_of_many_lengths(tiny_chat, url):
     rows = [tiny_chat.tokenizer.encode(" ".join(WORDS[:k]), add_special_tokens=False) for k in (1, 3, 11, 40, 7)]
     answer = completion(url, prompt=rows, echo=True, logprobs=0, max_tokens=0, n=2)
     assert [c["index"] for c in answer["choices"]] == list(range(2 * len(rows)))
@@ -96,7 +97,7 @@ def test_echo_scores_a_batch_of_prompts_of_many_lengths(tiny_chat, url):  # noqa
     assert answer["usage"]["prompt_tokens"] == sum(map(len, rows))
 
 
-def test_a_generation_ended_by_a_stop_id_keeps_its_entry(tiny_chat, url):  # noqa: F811
+def test_a_generation_ended_by_a_stop_id_keeps_its_entry(tiny_chat, url):
     """As vLLM: the stop id's entry comes last, so lm-eval's prompt + 1 entries hold even when the greedy next
     token ends the generation (lm-eval drops the last entry)."""
     ids = tiny_chat.tokenizer.encode("seven quiet birds sang of", add_special_tokens=False)
@@ -141,7 +142,7 @@ def write_tasks(directory) -> None:
         (directory / f"{name}.yaml").write_text(json.dumps(spec))  # JSON is YAML
 
 
-def test_lm_eval_runs_its_three_request_kinds_against_the_server(tiny_chat, url, tmp_path):  # noqa: F811
+def test_lm_eval_runs_its_three_request_kinds_against_the_server(tiny_chat, url, tmp_path):
     """Batches of 4 prompts per request; max_length 32 makes the longer text's rolling perplexity take
     several windows."""
     import lm_eval
@@ -177,3 +178,68 @@ def test_lm_eval_runs_its_three_request_kinds_against_the_server(tiny_chat, url,
         want = generate(tiny_chat, tokens=[encode(context)], max_new_tokens=6, stop=["\n"], return_details=True)[0]
         assert sample["resps"][0][0] == want.text
     assert np.isfinite(results["results"]["linnet_rolling"]["word_perplexity,none"])
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tasks")
+    write_tasks(directory)
+    return directory
+
+
+def test_in_process_lm_equals_lm_evals_hf_model(tiny_chat, tiny_chat_dir, task_dir):
+    """`linnet_jax.eval.LM` and lm-eval's `hf` model on the same weights: the same loglikelihoods (and greedy
+    flags), rolling loglikelihoods (several windows of 32 tokens) and greedy generations, request by request."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from linnet_jax.eval import LM, evaluate
+
+    ours = evaluate(LM(tiny_chat, batch_size=4, max_length=MAX_LENGTH), list(TASKS), include_path=task_dir,
+                    log_samples=True)
+    theirs = lm_eval.simple_evaluate(
+        model="hf", model_args={"pretrained": str(tiny_chat_dir), "dtype": "float32", "max_length": MAX_LENGTH},
+        device="cpu", tasks=list(TASKS), task_manager=TaskManager(include_path=str(task_dir)), batch_size=4,
+        log_samples=True)
+    worst = 0.0
+    for task in TASKS:
+        samples = [sorted(results["samples"][task], key=lambda s: s["doc_id"]) for results in (ours, theirs)]
+        assert len(samples[0]) == len(samples[1]) == len(TEXTS if task == "linnet_rolling" else QUESTIONS)
+        for mine, hf in zip(*samples):
+            assert mine["arguments"] == hf["arguments"]
+            for (got,), (want,) in zip(mine["resps"], hf["resps"], strict=True):  # one response per request
+                if task == "linnet_generate":
+                    assert got == want
+                elif task == "linnet_rolling":
+                    worst = max(worst, abs(got - want))
+                else:  # (loglikelihood, whether the continuation is greedy)
+                    worst = max(worst, abs(got[0] - want[0]))
+                    assert got[1] == want[1]
+    record_parity("lm-eval: linnet_jax.eval.LM vs lm-eval's hf model, |loglikelihood difference|", float(worst))
+    assert worst < 1e-3
+    assert ours["results"]["linnet_choice"]["acc,none"] == theirs["results"]["linnet_choice"]["acc,none"]
+
+
+def test_eval_command_and_registry(tiny_chat_dir, task_dir, tmp_path, capsys):
+    """`linnet-jax eval` prints lm-eval's table and writes its results; lm-eval's registry knows "linnet"; an
+    unknown task is refused before the model loads."""
+    import lm_eval.api.registry
+
+    from linnet_jax.cli import main
+    from linnet_jax.eval import LM
+
+    assert lm_eval.api.registry.get_model("linnet") is LM
+    out = tmp_path / "results.json"
+    common = ["eval", "--model", str(tiny_chat_dir), "--include-path", str(task_dir), "--no-compilation-cache"]
+    assert main([*common, "--tasks", "linnet_choice,linnet_rolling", "--limit", "2", "--max-length", "32",
+                 "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"linnet_choice", "linnet_rolling"} and "linnet_choice" in printed
+    assert 0 <= results["linnet_choice"]["acc,none"] <= 1
+    assert np.isfinite(results["linnet_rolling"]["word_perplexity,none"])
+    with pytest.raises(SystemExit, match="no lm-eval task named 'no_such_task'"):
+        main([*common, "--tasks", "no_such_task"])
+    with pytest.raises(SystemExit) as exit_info:  # --output is never written over without --overwrite
+        main([*common, "--tasks", "linnet_choice", "--output", str(out)])
+    assert "already exists" in str(exit_info.value)

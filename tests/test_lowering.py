@@ -11,11 +11,13 @@ from test_export_xla import TINY_NEW, TINY_PROMPT, check_run, stablehlo_run
 
 import linnet_jax
 from linnet_jax import export
+from linnet_jax.adapters import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS
 from linnet_jax.ops import matvec
 
 MAX_LEN = 64
-PROGRAMS = {"extend_16", "extend_16_continued", "extend_32", "extend_32_continued", "extend_64", "extend_64_continued",
-            "decode", "verify", "free", "train_step"}
+TABLE_PROGRAMS = {"extend_16", "extend_16_continued", "extend_32", "extend_32_continued", "extend_64",
+                  "extend_64_continued", "decode", "verify"}  # each also with the adapter table, named *_lora
+PROGRAMS = TABLE_PROGRAMS | {f"{name}_lora" for name in TABLE_PROGRAMS} | {"free", "put_lora", "train_step"}
 
 
 def main_arguments(text: str) -> list[str]:
@@ -55,6 +57,11 @@ def test_every_program_lowers_for_the_accelerator_with_stacked_weights(tiny_mode
         for name in (f"extend_{width}", f"extend_{width}_continued"):
             assert f"tensor<1x{width}xi32>" in main_arguments(programs[name]), name
     assert "tensor<2x4xi32>" in main_arguments(programs["verify"])  # 4 drafts per row
+    c, entries = tiny_model.config, DEFAULT_MAX_LORAS + 1
+    query_a = f"tensor<{entries}x{layers}x{c.hidden_size}x{DEFAULT_MAX_LORA_RANK}xf32>"  # the table's A of wq
+    for name in TABLE_PROGRAMS:
+        assert query_a in main_arguments(programs[f"{name}_lora"]) and query_a not in main_arguments(programs[name])
+    assert query_a in main_arguments(programs["put_lora"])
     train = main_arguments(programs["train_step"])
     assert set(weight_types(tiny_model, stacked=True)) <= set(train)
     assert f"tensor<2x{MAX_LEN}xi32>" in train  # the batch

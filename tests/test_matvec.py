@@ -101,12 +101,12 @@ def test_decoding_through_the_kernels_equals_decoding_without(name, tiny_dir):
 def test_generate_on_smollm2_runs_the_kernels(smollm2):
     """The default path: `generate`'s decode program calls the kernels, and its greedy tokens are the ones
     XLA's own products give."""
-    from linnet_jax.decode import decode
+    from linnet_jax.decode import decode_program
     from linnet_jax.inputs import new_slots
 
     assert smollm2.plan.einsum is matvec.einsum
-    program = decode.lower(smollm2.decode_params, smollm2.config, new_slots(smollm2, 1, 64), np.int32(4), 4,
-                           plan=smollm2.plan).as_text()
+    program = decode_program().lower(smollm2.decode_params, smollm2.config, new_slots(smollm2, 1, 64),
+                                     np.int32(4), 4, plan=smollm2.plan).as_text()
     assert "linnet_xw" in program and "linnet_wx" in program
     plain = dataclasses.replace(smollm2)
     plain.__dict__["plan"] = dataclasses.replace(smollm2.plan, matvec_kernels=False)  # the cached property, preset

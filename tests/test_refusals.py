@@ -65,6 +65,10 @@ FAILING_EXPORTS = {
                   ("linnet_jax.export._stablehlo", "save_file"), "d"),
     "jax_source": (lambda m, p: export.jax_source(m, p, overwrite=True),
                    ("linnet_jax.export._jax_source", "write_model_files"), "d"),
+    "torch_source": (lambda m, p: export.torch_source(m, p, max_len=32, overwrite=True),
+                     ("linnet_jax.export._torch_source", "write_model_files"), "d"),
+    "onnx": (lambda m, p: export.onnx(m, p, max_len=32, overwrite=True),
+             ("linnet_jax.export._onnx", "write_model_files"), "d"),
     "save": (lambda m, p: linnet_jax.save(m, p, overwrite=True), ("linnet_jax.checkpoint", "write_model_files"), "d"),
 }
 
@@ -115,6 +119,31 @@ def test_exports_never_write_over_a_fifo_a_symlink_or_a_device(tiny_dir, tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["null.gguf", "pipe"]  # nothing partial left either
 
 
+def test_torch_source_and_onnx_refuse_a_taken_directory_and_a_bad_dtype(tiny_dir, tmp_path, capsys):
+    """Issue 22's exporters: a non-empty directory without overwrite=True, and a dtype the graphs cannot be run
+    in (ONNX Runtime's CPU provider has no bfloat16 MatMul), are refused before anything is written; the command
+    line refuses a --dtype of another format's kind before loading the model."""
+    model = tiny(tiny_dir)
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "mine.txt").write_text("x\n")
+    for write in (export.torch_source, export.onnx):
+        with pytest.raises(FileExistsError, match=f"{re.escape(str(taken))} already exists and is not empty; pass "
+                                                  "overwrite=True to write over it"):
+            write(model, taken)
+    for dtype, reason in (("bfloat16", ": ONNX Runtime's CPU provider has no bfloat16 MatMul"), ("f16", "")):
+        with pytest.raises(ValueError, match=re.escape(f"dtype must be one of ('float32', 'float16'), got "
+                                                       f"{dtype!r}{reason}")):
+            export.onnx(model, tmp_path / "out", dtype=dtype)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["export", "--format", "onnx", "--dtype", "bfloat16", "--model", str(tmp_path / "nope"),
+                  str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == ("linnet-jax: error: --dtype bfloat16 is not one of "
+                                                        "('float32', 'float16') (for --format onnx)")
+    assert snapshot(tmp_path) == {"taken/mine.txt": b"x\n"}
+
+
 # Runs each writer in a process whose files may not grow past 64 KB (a stand-in for a full disk), SIGXFSZ ignored
 # so that a write past it fails with EFBIG; prints {writer: [error type, message, what is left in its folder]}.
 FILE_SIZE_LIMIT = """
@@ -128,6 +157,8 @@ lora = train.init_lora(model.config, train.LoraConfig(rank=8), jax.random.key(0)
 writers = {"hf": lambda p: export.hf(model, p, progress=False),
            "stablehlo": lambda p: export.stablehlo(model, p, max_len=32, progress=False),
            "jax_source": lambda p: export.jax_source(model, p), "peft": lambda p: export.peft(model, lora, p),
+           "torch_source": lambda p: export.torch_source(model, p, max_len=32),
+           "onnx": lambda p: export.onnx(model, p, max_len=32),
            "gguf": lambda p: export.gguf(model, p, dtype="f32", progress=False),
            "save": lambda p: linnet_jax.save(model, p)}  # last: Orbax's threads outlive a failed save a moment
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -157,7 +188,8 @@ def test_a_save_past_a_file_size_limit_is_an_os_error_and_leaves_nothing(tiny_di
     for name, (kind, message, left) in outcomes.items():
         target = tmp_path / name / "out"
         assert kind == "OSError" and f"could not write {target}: " in message, (name, kind, message)
-        assert name == "gguf" or "File too large; it was left as it was" in message  # gguf's writer counts bytes
+        # gguf's writer, and numpy's tofile under onnx_ir's external data (onnx), count bytes: no errno
+        assert name in ("gguf", "onnx") or "File too large; it was left as it was" in message
         assert left == [], (name, left)
 
 

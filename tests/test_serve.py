@@ -21,9 +21,7 @@ import time
 import httpx
 import openai
 import pytest
-import transformers
 import uvicorn
-from conftest import TINY, random_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -36,23 +34,6 @@ from linnet_jax.serve.errors import field_path
 
 MODEL = "test-model"
 WORDS = "the sea a cat ran over blue hills while seven quiet birds sang of rain and bread".split()
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_dir(smollm2, tmp_path_factory):
-    """A random tiny llama with SmolLM2's vocabulary, tokenizer and special ids, saved as an HF directory."""
-    config = transformers.LlamaConfig(**TINY | dict(vocab_size=smollm2.config.vocab_size, num_key_value_heads=2,
-                                                    bos_token_id=smollm2.config.bos_token_id,
-                                                    eos_token_id=list(smollm2.config.eos_token_ids)))
-    directory = tmp_path_factory.mktemp("tiny_chat")
-    random_model(config, seed=0).save_pretrained(directory)
-    smollm2.tokenizer.save(directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def tiny_chat(tiny_chat_dir):
-    return linnet_jax.load(tiny_chat_dir, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +80,9 @@ def client(url: str, key: str = "none") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
 
 
-def metric(url: str, name: str) -> float:
-    """The value of one unlabelled Prometheus sample from /metrics."""
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
+def metric(url: str, name: str, headers: dict | None = None) -> float:
+    """The value of one unlabelled Prometheus sample from /metrics (asked with `headers`)."""
+    for line in httpx.get(f"{url}/metrics", headers=headers).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} is not in /metrics")
@@ -192,17 +173,22 @@ def test_32_concurrent_streams_through_8_slots_equal_generate(tiny_chat, tiny_en
 
     results = asyncio.run(run_all())
     assert all(finish == "length" for _, finish in results)
+    assert_reproducible_equal_generate(tiny_chat, requests, [text for text, _ in results])
+    assert all(text for text, _ in results)
+    assert wait_for(lambda: tiny_engine.stats()["busy_slots"] == 0)
+
+
+def assert_reproducible_equal_generate(model, requests: list[dict], texts: list[str]) -> None:
+    """Each greedy or seeded request's text (ignore_eos) is what `generate` gives for it."""
     checked = [(i, r) for i, r in enumerate(requests) if r["temperature"] == 0 or "seed" in r]
     expected = generate(  # one batch: each row's result is what its prompt gives alone
-        tiny_chat, [r["prompt"] for _, r in checked], max(r["max_tokens"] for _, r in checked), chat=False,
+        model, [r["prompt"] for _, r in checked], max(r["max_tokens"] for _, r in checked), chat=False,
         temperature=[r["temperature"] for _, r in checked], top_p=[r.get("top_p", 1.0) for _, r in checked],
         top_k=[r.get("top_k", 0) for _, r in checked], min_p=[r.get("min_p", 0.0) for _, r in checked],
         repetition_penalty=[r.get("repetition_penalty", 1.0) for _, r in checked],
         seed=[r.get("seed", 0) for _, r in checked], ignore_eos=True, return_details=True)
     for (i, request), details in zip(checked, expected):
-        assert results[i][0] == tiny_chat.tokenizer.decode(details.tokens[:request["max_tokens"]]), request
-    assert all(text for text, _ in results)
-    assert wait_for(lambda: tiny_engine.stats()["busy_slots"] == 0)
+        assert texts[i] == model.tokenizer.decode(details.tokens[:request["max_tokens"]]), request
 
 
 def test_n_choices_are_the_streams_of_one_seed(tiny_chat, tiny_server):
@@ -282,8 +268,8 @@ BAD_REQUESTS = [  # (path, body, status, param)
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/completions", {"prompt": "hi", "n": 9}, 400, "n"),
     ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 3}, 400, "n"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 500}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
@@ -299,8 +285,8 @@ BAD_REQUESTS = [  # (path, body, status, param)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
      400, "functions"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1},
+                              "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": -3},
      400, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/completions", {"prompt": "a lone \ud800"}, 400, "prompt"),
@@ -674,11 +660,17 @@ def test_api_key_is_needed_everywhere_but_health(tiny_engine):
                                    ["--speculative-config", "{"], ["--speculative-config", '{"method": "eagle"}'],
                                    ["--prefill-chunk", "0"], ["--api-key", ""], ["--host", "192.0.2.1"],
                                    ["--max-request-bytes", "0"]])
-def test_serve_flags_are_refused_before_loading(monkeypatch, flags):
+def test_serve_flags_are_refused_before_loading(monkeypatch, capsys, flags):
+    assert flags[0] in refused_flags(monkeypatch, capsys, *flags)
+
+
+def refused_flags(monkeypatch, capsys, *flags: str) -> str:
+    """What `linnet-jax serve --model /nowhere FLAGS` says on stderr as it exits 2, without loading any model."""
     monkeypatch.setattr(linnet_jax, "load", lambda *a, **k: pytest.fail("loaded the model"))
     with pytest.raises(SystemExit) as exit:
         main(["serve", "--model", "/nowhere", *flags])
     assert exit.value.code == 2
+    return capsys.readouterr().err
 
 
 def test_default_max_len_is_the_model_context_when_shorter(tiny_chat_dir, tmp_path, monkeypatch):

@@ -34,7 +34,7 @@ OPS_SOURCES: dict[str, list[str]] = {
 MODEL_SOURCES: dict[str, list[str]] = {
     "linnet_jax.models.params": ["weight", "LayerParams", "Params", "unflatten_params", "unstack_layers",
                                  "layer_slices"],
-    "linnet_jax.models.lora": ["Lora", "lora_term"],
+    "linnet_jax.models.lora": ["Lora", "lora_term", "LoraTable", "table_term"],
     "linnet_jax.models.decoder": ["KVCache", "init_cache", "project_qkv", "write_slots", "update_cache",
                                   "decoder_layer", "forward", "layer_params"],
     "linnet_jax.inputs": ["MIN_BUCKET", "bucket"],

@@ -1,8 +1,9 @@
 """`export.peft`: LoRA adapters in PEFT's layout (adapter_config.json, adapter_model.safetensors), which
 `peft.PeftModel.from_pretrained` loads on the base model's Hugging Face export and vLLM serves as a LoRA.
 
-Tensor names: base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight [R, in] and
-...lora_B.weight [out, R], transformers' [out, in] convention (ours are input-first)."""
+Tensor names (`linnet_jax.adapters.peft_name`, which also reads them back):
+base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight [R, in] and ...lora_B.weight [out, R],
+transformers' [out, in] convention (ours are input-first)."""
 
 import warnings
 from pathlib import Path
@@ -10,25 +11,22 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from linnet_jax.adapters import CONFIG, WEIGHTS, peft_name
 from linnet_jax.files import prepare_target, staged, write_json
-from linnet_jax.models.lora import Lora, lora_config_of, split_shape
-from linnet_jax.models.params import LayerParams, declared, to_hf_layer_tensor
+from linnet_jax.models.lora import Lora, check_shapes, lora_config_of
+from linnet_jax.models.params import to_hf_layer_tensor
 
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
-PREFIX = "base_model.model."
-WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"  # what an export writes (and overwrites)
 
 
 def peft_state(lora: Lora) -> dict[str, np.ndarray]:
     """The adapters as PEFT's state dict: lora_A [R, in] and lora_B [out, R] per layer and target."""
     state = {}
     for field in lora.a:
-        suffix = declared(LayerParams)[field]["hf_name"].removesuffix(".weight")
         a, b = np.asarray(lora.a[field]), np.asarray(lora.b[field])  # [L, *I, R], [L, R, *O]
         for i in range(a.shape[0]):
-            name = f"{PREFIX}model.layers.{i}.{suffix}"
-            state[f"{name}.lora_A.weight"] = to_hf_layer_tensor(a[i], a.ndim - 2)
-            state[f"{name}.lora_B.weight"] = to_hf_layer_tensor(b[i], 1)
+            state[peft_name(field, i, "A")] = to_hf_layer_tensor(a[i], a.ndim - 2)
+            state[peft_name(field, i, "B")] = to_hf_layer_tensor(b[i], 1)
     return state
 
 
@@ -54,7 +52,7 @@ def peft(model, lora: Lora, out_dir, *, base: str | None = None, dtype=None, ove
     replaced; both are written under a temporary name first).
     """
     rank = lora_config_of(lora).rank
-    check_shapes(model.config, lora, rank)
+    check_shapes(model.config, lora)
     target = prepare_target(out_dir, overwrite)
     if rank not in VLLM_RANKS:
         warnings.warn(f"LoRA rank {rank} is not one vLLM serves (max_lora_rank choices {VLLM_RANKS})", stacklevel=2)
@@ -64,13 +62,3 @@ def peft(model, lora: Lora, out_dir, *, base: str | None = None, dtype=None, ove
         write_json(written / CONFIG, adapter_config(lora, base))
     return target
 
-
-def check_shapes(config, lora: Lora, rank: int) -> None:
-    """A ValueError naming the first adapter whose shape does not fit the model's config."""
-    for field in lora.a:
-        inputs, outputs = split_shape(config, field)
-        expected = {"a": (config.num_layers, *inputs, rank), "b": (config.num_layers, rank, *outputs)}
-        for part, shape in expected.items():
-            got = tuple(getattr(lora, part)[field].shape)
-            if got != shape:
-                raise ValueError(f"LoRA {part}[{field!r}] has shape {got}, expected {shape} for this model")

@@ -1,13 +1,18 @@
 """The OpenAI-compatible HTTP server on an `Engine`: `create_app(engine, model_name=...)` is a FastAPI app.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sent events or whole), GET
-/v1/models, GET /health, GET /metrics (Prometheus text), POST /tokenize and /detokenize, GET /tokenizer_info.
+/v1/models, GET /health, GET /metrics (Prometheus text), POST /tokenize and /detokenize, GET /tokenizer_info, and
+(an engine with adapters) POST /v1/load_lora_adapter and /v1/unload_lora_adapter, vLLM's. A request whose `model`
+names a loaded LoRA adapter is served with it, as vLLM serves it; /v1/models lists the adapters, each with its
+base as `parent`.
 The app knows the engine's Python API only (`submit`, handles, `stats`, `on_finish`, `compiles_after_warmup`).
 
 Errors (`linnet_jax.serve.errors`) are OpenAI's JSON, `{"error": {"message", "type", "param", "code"}}`: 400
 naming the field for a body that is not JSON, a wrong type, a bad value, a field this server does not implement,
-a prompt that leaves no room for a token (a larger max_tokens is clamped to the room, finishing with "length");
-401 without the API key; 404 for an unknown model; 413 for a body over `max_request_bytes`; 429 with Retry-After
+a prompt that leaves no room for a token (a larger max_tokens is clamped to the room, finishing with "length"),
+a JSON schema, regex or grammar that does not compile (naming response_format or structured_outputs);
+401 without the API key; 404 for an unknown model (an adapter's name included); 413 for a body over
+`max_request_bytes`; 429 with Retry-After
 when the engine's queue is full; 503 (and /health 503) while shutting down or once the engine has failed; 500
 for the requests the engine was serving when it failed (streamed: a last `data: {"error": ...}` event). A client
 that disconnects has its requests cancelled: their slots are free before the engine's next decode dispatch.
@@ -35,9 +40,11 @@ from linnet_jax.serve.engine import Engine, EngineFailed, Handle, Piece, QueueFu
 from linnet_jax.serve.errors import (BAD_INPUT, MAX_REQUEST_BYTES, APIError, ASCIIJSONResponse, BearerAuth, BodyLimit,
                                      check_api_key, error_body, error_response, request_error, validation_error)
 from linnet_jax.serve.metrics import Metrics
+from linnet_jax.inputs import RequestError
 from linnet_jax.serve.protocol import (ChatCompletions, ChatRequest, CompletionRequest, Completions, DetokenizeRequest,
-                                       Output, Sampling, Shape, TokenizeRequest, budget, engine_options, finish_reason,
-                                       message_dicts, refused_field, usage)
+                                       LoadLoraRequest, Output, Sampling, Shape, TokenizeRequest, UnloadLoraRequest,
+                                       budget, engine_options, finish_reason, message_dicts, refused_field, structured,
+                                       usage)
 from linnet_jax.tokenizer import TOKENIZER_CLASS
 
 log = logging.getLogger("linnet_jax.serve")
@@ -61,8 +68,10 @@ def completion_prompts(prompt) -> list[dict]:
     return [{"tokens": ids} for ids in prompt]
 
 
-def submit_all(engine: Engine, prompts: list[dict], n: int, options: dict, prompt_field: str) -> list[Handle]:
-    """Submit each prompt n times (choice i of one seed), prompt-major; all of them or none (cancelled)."""
+def submit_all(engine: Engine, prompts: list[dict], n: int, options: dict, prompt_field: str,
+               renamed: dict[str, str]) -> list[Handle]:
+    """Submit each prompt n times (choice i of one seed), prompt-major; all of them or none (cancelled). A refusal
+    names the body's field (`renamed`: the body's names of Engine.submit's keywords)."""
     handles: list[Handle] = []
     try:
         for prompt in prompts:
@@ -70,16 +79,18 @@ def submit_all(engine: Engine, prompts: list[dict], n: int, options: dict, promp
     except BaseException as error:
         for handle in handles:
             handle.cancel()
-        raise submit_error(error, prompt_field) from error
+        raise submit_error(error, prompt_field, renamed) from error
     return handles
 
 
-def submit_error(error: BaseException, prompt_field: str) -> BaseException:
+def submit_error(error: BaseException, prompt_field: str, renamed: dict[str, str]) -> BaseException:
     """What Engine.submit raised, as an APIError where the client is the cause."""
     if isinstance(error, QueueFull):
         return APIError(429, str(error), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(error, RequestError) and error.field == "lora":  # unloaded since the request was checked
+        return APIError(404, str(error), "model", "model_not_found")
     if isinstance(error, BAD_INPUT):
-        return request_error(error, prompt_field)
+        return request_error(error, prompt_field, renamed)
     if isinstance(error, EngineFailed):
         return engine_failed(error.__cause__, 503)
     if isinstance(error, RuntimeError):
@@ -201,10 +212,15 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
         log.exception("internal error on %s", request.url.path)
         return error_response(APIError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model",
-                           "model_not_found")
+    def check_model(name: str | None) -> str | None:
+        """The adapter a request's `model` names (None: the base model); a 404 naming `model` for another name."""
+        if name is None or name == model_name:
+            return None
+        if name in engine.loras:
+            return name
+        served = [model_name, *engine.loras]
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {served}", "model",
+                       "model_not_found")
 
     def check_available() -> None:
         """A 503 once the engine admits nothing: it is shutting down, or it failed."""
@@ -222,14 +238,20 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
             raise APIError(400, f"n={n} choices of {len(prompts)} prompt(s) need more than the server's "
                                 f"{engine.slots} slots", "n")
         seed = secrets.randbits(63) if body.seed is None else body.seed
-        options = engine_options(body, top_logprobs) | {"seed": seed}
-        return await asyncio.to_thread(submit_all, engine, prompts, n, options, prompt_field)
+        spec, field = structured(body)
+        options = engine_options(body, top_logprobs) | {"seed": seed, "lora": check_model(body.model),
+                                                        "structured": spec}
+        return await asyncio.to_thread(submit_all, engine, prompts, n, options, prompt_field, {"structured": field})
 
     def check_request(body: Sampling) -> None:
         check_model(body.model)
         check_available()
         if refused := refused_field(body):
             raise APIError(400, f"{refused} is not supported by this server", refused, "unsupported_field")
+
+    def served_name(body: Sampling) -> str:
+        """The name a response gives: the adapter's the request named, else the base model's."""
+        return body.model if check_model(body.model) else model_name
 
     async def collected(request: Request, handles: list[Handle]) -> list[Output]:
         """Each handle's whole output; all of them cancelled if the client disconnects first; a 500 if the engine
@@ -262,6 +284,9 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
         """/v1/completions with echo (`linnet_jax.serve.echo`): max_tokens 0 scores the prompts only."""
         if body.stream:
             raise APIError(400, "echo is not supported with stream: true", "echo")
+        if check_model(body.model):
+            raise APIError(400, "echo is not supported with a LoRA adapter (it scores the prompt with the base model)",
+                           "echo")
         check_request(body)
         ids = await asyncio.to_thread(prompt_ids, engine.model, prompts, engine.max_len)
         n = body.n or 1
@@ -283,7 +308,7 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        shape = Completions(model_name, tokenizer, body.logprobs is not None)
+        shape = Completions(served_name(body), tokenizer, body.logprobs is not None)
         prompts, top = completion_prompts(body.prompt), body.logprobs or 0
         if body.echo:
             return await echoed(request, body, shape, prompts, top)
@@ -295,14 +320,38 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
     async def chat_completions(body: ChatRequest, request: Request):
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        shape = ChatCompletions(model_name, tokenizer, bool(body.logprobs))
+        shape = ChatCompletions(served_name(body), tokenizer, bool(body.logprobs))
         top = (body.top_logprobs or 0) if body.logprobs else 0
         return await respond(request, body, shape, [{"prompt": message_dicts(body.messages)}], top, "messages")
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "linnet_jax", "max_model_len": engine.max_len}]}
+        def card(name: str, root: str | None, parent: str | None) -> dict:
+            return {"id": name, "object": "model", "created": created, "owned_by": "linnet_jax", "root": root,
+                    "parent": parent, "max_model_len": engine.max_len}
+
+        return {"object": "list", "data": [card(model_name, model_name, None),
+                                           *(card(name, root, model_name) for name, root in engine.loras.items())]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraRequest):
+        """vLLM's: serve the PEFT adapter at lora_path as lora_name from now on (compiles nothing)."""
+        if body.lora_name == model_name:
+            raise APIError(400, f"lora_name {body.lora_name!r} is the base model's name", "lora_name")
+        try:
+            await asyncio.to_thread(engine.load_lora, body.lora_name, body.lora_path)
+        except BAD_INPUT as error:
+            raise request_error(error, "lora_path") from error
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraRequest):
+        """vLLM's: serve lora_name no more (requests already using it finish with it)."""
+        try:
+            engine.unload_lora(body.lora_name)
+        except BAD_INPUT as error:
+            raise request_error(error, "lora_name") from error
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.get("/health")
     async def health():

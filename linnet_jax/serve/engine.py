@@ -10,13 +10,25 @@ One scheduler thread owns the decode state. Each iteration it
   - advances every decoding slot `steps_per_dispatch` decode steps in one device call, or one step
     that verifies each slot's n-gram drafts (`linnet_jax.speculative`),
   - hands each request its new tokens.
+A request with a grammar (`structured`, `linnet_jax.structured`) has its slot's mask of allowed tokens computed
+on the host after each of its tokens, so a dispatch that carries one decodes one step, and its slot gets no
+drafts; the other slots' masks allow every token, so the programs are the same with or without grammars.
 Every dispatch's shape is a bucket (rows: powers of two up to prefill_batch; columns: powers of two from
 16 up to prefill_chunk), so nothing compiles after `warmup()`; `step_log` records what each carried.
+With `loras`, requests may name an adapter (`submit(..., lora=NAME)`): every program takes the engine's adapter
+table (`linnet_jax.adapters.AdapterTable`) and each row its entry, so a batch that mixes adapters is one dispatch,
+and `load_lora` and `unload_lora` change the served set between dispatches without compiling anything. An
+engine without `loras` has no table: its programs are those of the base model alone.
 Requests are submitted from any thread (`submit`), or from asyncio (`Handle.__aiter__`); a full
 queue refuses a request (`QueueFull`) rather than buffering it without bound. A request's tokens
 are the ones `generate` gives for the same arguments: everything it owns lives in its slot.
 If the scheduler thread fails (out of memory, say), every queued and running request ends with stop reason
 "error", `failure` holds the exception, and the engine admits nothing more (`EngineFailed`).
+Every device program the scheduler runs goes through one seam, `_run(program, *host inputs)`. With a `lockstep`
+(`linnet_jax.serve.lockstep`), one engine spans several `jax.distributed` processes: the leader's `_run` first
+sends the call to the followers, whose `follow()` runs the same calls on their part of the state; the programs read
+their outputs back as replicated arrays (`sharding.hosts`), which every process reads alike. Without one, `_run`
+sends nothing.
 """
 
 import asyncio
@@ -29,18 +41,23 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import numpy as np
 
+from linnet_jax.adapters import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, AdapterTable
 from linnet_jax.decode import TOP_LOGPROBS, TRACES, decode, free, verify
 from linnet_jax.inputs import (MIN_BUCKET, RequestError, bucket, buckets, check_max_new_tokens, eos_ids,
                                extend_rows, make_prompts, new_slots, sampling_options, seed_key)
 from linnet_jax.loaded import Model
 from linnet_jax.prefix_cache import PrefixCache
-from linnet_jax.sharding import host
+from linnet_jax.serve.lockstep import Lockstep
+from linnet_jax.sharding import hosts
 from linnet_jax.speculative import Ngram, draft_arrays, propose, speculative_config
+from linnet_jax.structured import Constraint, bitmasks, constraint, with_bitmasks
 from linnet_jax.text import Cursor, Detokenizer, Generation, take
 
 
 DEFAULT_MAX_LEN = 640  # positions per slot, or the model's context when that is shorter
 CHOICES = 2**32  # the streams of one seed a request may draw (`choice`)
+# The device programs `_run` runs (each the method `_<name>`): all a follower of a multi-process engine runs.
+PROGRAMS = frozenset({"agree", "compile_all", "extend", "decode", "verify", "free", "masks", "restore", "store"})
 
 
 class QueueFull(RuntimeError):
@@ -82,7 +99,10 @@ class Work:
     request: object  # linnet_jax.decode.Request, one row
     top_logprobs: int  # how many alternatives to report beside each token (0: none)
     handle: "Handle"
+    rule: Constraint | None  # its grammar, advanced by its tokens (None: unconstrained)
     prefilled: int = 0  # prompt tokens in the slot's cache
+    adapter: int = 0  # its entry in the adapter table (0: the base model)
+    prefix_key: bytes = b""  # its adapter's prefix-cache key (`AdapterTable.keys`)
 
     @property
     def decoding(self) -> bool:
@@ -167,13 +187,15 @@ class Handle:
             piece = Piece(text=text, tokens=tokens, logprobs=logprobs, top_logprobs=self.top[ids])
         return piece if (piece.text or piece.tokens) else None
 
-    def _add(self, tokens: list[int], logprobs: list[float], top: list, finish: int, eos: set[int]) -> str | None:
+    def _add(self, tokens: list[int], logprobs: list[float], top: list, finish: int, eos: set[int],
+             rule: Constraint | None) -> str | None:
         """A dispatch's new tokens of this request (finish: its row's state after them), detokenized here on the
-        scheduler thread; returns why the request stopped (`linnet_jax.text.take`), or None while it runs."""
+        scheduler thread (and its grammar advanced); returns why the request stopped (`linnet_jax.text.take`), or
+        None while it runs."""
         with self._changed:
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
-            kept, reason = take(self.text, tokens, finish, eos)
+            kept, reason = take(self.text, tokens, finish, eos, rule)
             self.logprobs += logprobs[:kept]
             self.top += top[:kept]
         self._notify()
@@ -208,12 +230,20 @@ class Engine:
     prefill_chunk). prefix_cache: keep prompts' leading blocks of prefix_block tokens (at most
     prefix_cache_gb GiB) and copy them into slots of prompts that start the same way. speculative: n-gram
     drafts verified in one forward (`linnet_jax.speculative`; vLLM's speculative_config names).
+    loras: {name: a PEFT adapter directory's path, or a Lora} served beside the base model ({} for none yet: adapters
+    loaded later, `load_lora`); None: no adapters, no table. max_loras: the most adapters loaded at once (the table
+    holds them and the base's zeros); max_lora_rank: the largest rank taken (lower ones are zero-padded to it).
+    lockstep: this process's end of a multi-process engine (`linnet_jax.serve.lockstep.Lockstep`; the model on a
+    mesh over every process's devices, every process making its engine with the same settings): the leader's
+    engine schedules and serves, a follower's runs the leader's programs (`follow`). Adapters are refused with one.
     """
 
     def __init__(self, model: Model, slots: int = 16, max_len: int | None = None, max_queue: int = 256, *,
                  steps_per_dispatch: int = 8, prefill_batch: int = 4, prefill_chunk: int = 256,
                  max_step_tokens: int | None = None, prefix_cache: bool = True, prefix_block: int = 64,
-                 prefix_cache_gb: float = 1.0, speculative: dict | Ngram | None = None):
+                 prefix_cache_gb: float = 1.0, speculative: dict | Ngram | None = None, loras: dict | None = None,
+                 max_loras: int = DEFAULT_MAX_LORAS, max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
+                 lockstep: Lockstep | None = None):
         max_step_tokens = prefill_batch * prefill_chunk if max_step_tokens is None else max_step_tokens
         max_len = min(DEFAULT_MAX_LEN, model.config.max_position_embeddings) if max_len is None else max_len
         for name, value in (("slots", slots), ("max_len", max_len), ("max_queue", max_queue),
@@ -230,14 +260,22 @@ class Engine:
         if max_step_tokens < prefill_chunk:
             raise ValueError(f"max_step_tokens ({max_step_tokens}) must hold one chunk: ≥ prefill_chunk "
                              f"({prefill_chunk})")
+        if lockstep is not None and loras is not None:
+            raise ValueError("loras are not served by a multi-process engine (lockstep): its followers would need "
+                             "every adapter's weights; serve adapters from one process")
         if not isinstance(prefix_cache_gb, (int, float)) or isinstance(prefix_cache_gb, bool) or prefix_cache_gb <= 0:
             raise ValueError(f"prefix_cache_gb must be a number > 0, got {prefix_cache_gb!r}")
-        self.model, self.max_len, self.max_queue = model, int(max_len), int(max_queue)
+        self.model, self.max_len, self.max_queue, self.lockstep = model, int(max_len), int(max_queue), lockstep
         self.eos = eos_ids(model)
         self.steps, self.prefill_batch = int(steps_per_dispatch), int(prefill_batch)
         self.prefill_chunk, self.max_step_tokens = int(prefill_chunk), int(max_step_tokens)
         self.speculative = speculative_config(speculative)
+        self.adapters = None if loras is None else AdapterTable(model, max_loras, max_lora_rank)
+        if loras is not None and len(loras) > self.adapters.max_loras:
+            raise ValueError(f"{len(loras)} loras given, more than max_loras={self.adapters.max_loras}")
+        adapters = {name: (source, self.adapters.read(source)) for name, source in (loras or {}).items()}
         self.state = new_slots(model, int(slots), self.max_len)
+        self._masked = False  # whether the state's masks hold a grammar's (else every token is allowed)
         self.prefixes = PrefixCache(model, self.max_len, int(prefix_block), prefix_cache_gb,
                                     most=16 * int(slots) * (self.max_len // int(prefix_block))) if prefix_cache else None
         self.owners: list[Work | None] = [None] * int(slots)
@@ -252,7 +290,12 @@ class Engine:
         self._wake = threading.Condition()
         self._closing = self._stopped = self._hurried = False
         self._thread = threading.Thread(target=self._loop, name="linnet-jax-engine", daemon=True)
-        self._thread.start()
+        if lockstep is None or lockstep.leader:  # a follower runs the leader's calls instead (`follow`)
+            self._thread.start()
+        for name, (source, lora) in adapters.items():
+            self._install(name, source, lora)
+        if lockstep is not None and lockstep.leader:  # first of all, the followers check their settings
+            self._on_scheduler(lambda: self._run("agree", self._settings()))
 
     # --- the public API --------------------------------------------------------------------------------------
 
@@ -261,15 +304,18 @@ class Engine:
         return len(self.owners)
 
     def submit(self, prompt=None, *, tokens=None, max_tokens: int | None = None, temperature=0.0, top_k=0, top_p=1.0,
-               min_p=0.0, repetition_penalty=1.0, seed: int | None = None, choice: int = 0, stop=None,
-               stop_token_ids=None, ignore_eos: bool = False, chat: bool | None = None, top_logprobs: int = 0) -> Handle:
+               min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None,
+               seed: int | None = None, choice: int = 0, stop=None, stop_token_ids=None, ignore_eos: bool = False,
+               chat: bool | None = None, top_logprobs: int = 0, structured=None, lora: str | None = None) -> Handle:
         """Queue one request: a prompt (text or a conversation) or `tokens` (ids). Returns its Handle.
 
         max_tokens: at most what the slot has room for (max_len minus the prompt), which is the default; a larger
         budget is clamped to it, finishing with "length" as vLLM does. seed: None draws one
         at random for a sampled request; choice i draws stream i of the seed (OpenAI's n), as row i of
         `generate(..., seed=seed)` does (its key alone is made, whatever the choice). top_logprobs: report that many
-        most likely tokens (≤ TOP_LOGPROBS) beside each. A RequestError (a ValueError) names the field that is wrong;
+        most likely tokens (≤ TOP_LOGPROBS) beside each. presence_penalty, frequency_penalty, logit_bias and
+        structured (a grammar the output follows) as `generate` takes them, for one prompt. lora: the name of a
+        loaded adapter (None: the base model). A RequestError (a ValueError) names the field that is wrong;
         QueueFull when the queue is full; EngineFailed once the scheduler has failed.
         """
         prompts = make_prompts(self.model, prompt, tokens, chat)
@@ -289,58 +335,122 @@ class Engine:
                                                f"got {top_logprobs!r}")
         seed = secrets.randbits(63) if seed is None else seed
         options = sampling_options(self.model, 1, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                   repetition_penalty=repetition_penalty, seed=seed, stop=stop,
+                                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                   frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed, stop=stop,
                                    stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
         stream = dataclasses.replace(options.sampling, keys=seed_key(seed, int(choice))[None])  # row `choice`'s key
         options = dataclasses.replace(options, sampling=stream)
         work = Work(prompt=ids, request=options.requests(max_tokens), top_logprobs=int(top_logprobs),
-                    handle=Handle(self, len(ids), options.stops))
+                    handle=Handle(self, len(ids), options.stops),
+                    rule=None if structured is None else constraint(self.model, structured))
         with self._wake:
             self.check_alive()
             if self._closing:
                 raise RuntimeError("the engine is shutting down: it admits no new requests")
             if len(self.queue) >= self.max_queue:
                 raise QueueFull(f"the queue holds max_queue={self.max_queue} requests; try again later")
+            if lora is not None:
+                work.adapter, work.prefix_key = self._adapter_entry(lora)
+                work.request = work.request.replace(adapter=np.full((1,), work.adapter, np.int32))
             self.queue.append(work)
             self._wake.notify_all()
         return work.handle
 
+    def _adapter_entry(self, lora: str | None) -> tuple[int, bytes]:
+        """(Under the lock) the table entry and prefix-cache key of adapter `lora`; a RequestError naming `lora`
+        when the engine serves no adapter of that name."""
+        if self.adapters is None:
+            raise RequestError("lora", f"this engine serves no adapters (made without loras), got lora={lora!r}")
+        return self.adapters.entry(lora)
+
+    def load_lora(self, name: str, source) -> None:
+        """Serve adapter `source` (a PEFT adapter directory's path, or a Lora) as `name` from now on, while requests
+        run: its entry of the table is written between two dispatches, which compiles nothing. A RequestError
+        (a ValueError) naming `lora_path` or `lora_name` when the adapter does not fit the model or the table
+        (rank above max_lora_rank, targets the model lacks, another base's shapes), the name is taken or the
+        table is full."""
+        if self.adapters is None:
+            raise RequestError("lora_name", "this engine serves no adapters: make it with loras={} (or --max-loras)")
+        self._install(name, source, self.adapters.read(source))
+
+    def _install(self, name: str, source, lora) -> None:
+        with self._wake:
+            entry = self.adapters.reserve(name, self._entries_in_use())
+        try:
+            self._on_scheduler(lambda: self.adapters.put(entry, lora))
+        except BaseException:
+            with self._wake:
+                self.adapters.held[entry] = None
+            raise
+        with self._wake:
+            self.adapters.publish(name, entry, source)
+
+    def unload_lora(self, name: str) -> None:
+        """Serve adapter `name` no more: new requests naming it are refused; the ones queued or running finish with
+        it (its entry is reused once they have). A RequestError naming `lora_name` when none of that name is
+        loaded."""
+        if self.adapters is None:
+            raise RequestError("lora_name", "this engine serves no adapters (made without loras)")
+        with self._wake:
+            self.adapters.release(name)
+
+    @property
+    def loras(self) -> dict[str, str | None]:
+        """The adapters served: {name: its PEFT directory (None when given as a Lora)}."""
+        if self.adapters is None:
+            return {}
+        with self._wake:
+            return dict(self.adapters.sources)
+
+    def _entries_in_use(self) -> set[int]:
+        """(Under the lock) the table entries of queued and running requests."""
+        return {work.adapter for work in (*self.queue, *self.owners) if work is not None}
+
     def warmup(self) -> None:
         """Compile every program the engine uses (each prefill shape, decode and verify with and without top
-        logprobs, free, the prefix cache's copies), then count compiles from here on (`compiles_after_warmup`).
-        Each program runs once over rows that hold nothing, which changes no request. EngineFailed if the
-        scheduler fails meanwhile (out of memory, say)."""
-        compiled = []
+        logprobs, free, the prefix cache's copies, the adapter table's entry writes), then count compiles from here
+        on (`compiles_after_warmup`). Each program runs once over rows that hold nothing, which changes no request.
+        EngineFailed if the scheduler fails meanwhile (out of memory, say)."""
+        self._on_scheduler(lambda: self._run("compile_all"))
+        self.warm_traces = sum(TRACES.values())
 
-        def compile_all():
-            self._compile_all()
+    def _on_scheduler(self, task: Callable[[], None]) -> None:
+        """Run `task` on the scheduler thread, between two dispatches, and wait for it. EngineFailed if the
+        scheduler fails meanwhile (out of memory, say)."""
+        done = []
+
+        def run():
+            task()
             with self._wake:
-                compiled.append(True)
+                done.append(True)
                 self._wake.notify_all()
 
         with self._wake:
-            self._tasks.append(compile_all)
+            self._tasks.append(run)
             self._wake.notify_all()
-            self._wake.wait_for(lambda: compiled or self.failure is not None)
+            self._wake.wait_for(lambda: done or self.failure is not None or self._stopped)
             self.check_alive()
-        self.warm_traces = sum(TRACES.values())
+            if not done:
+                raise RuntimeError("the engine has stopped")
 
     def _compile_all(self) -> None:
+        """Run each program once over rows that hold nothing (`warmup`)."""
         model, nothing = self.model, self.slots  # a row past the state: writes nothing
         request = sampling_options(model, 1).requests(1)
         widest = bucket(min(self.prefill_chunk, self.max_len - 1), self.prefill_chunk)
         for rows in self.row_buckets():
             for width in (width for width in buckets(self.prefill_chunk) if width <= widest):
                 for start in (0, 1):  # a prompt's first chunk (its own slots only), and a later one
-                    self.state = extend_rows(model, self.state, [nothing], [[0]], [start], [request], [False], rows,
-                                             width)
+                    self._extend([nothing], [[0]], [start], [request], [False], rows, width)
         for top in (False, True):
-            self.state, _ = self._decode(top, self.steps)
+            self._decode(top, self.steps)
             if self.speculative:
-                self.state, _ = self._verify([[]] * self.slots, top)
-        self.state = free(self.state, np.int32(0))
+                self._verify([[]] * self.slots, top)
+        self._free(0)
         if self.prefixes:
             self.state = self.prefixes.compile(self.state)
+        if self.adapters is not None:
+            self.adapters.put(0, None)  # the base's entry: zeros again
 
     def row_buckets(self) -> list[int]:
         """The rows of a prefill dispatch: powers of two up to prefill_batch, and prefill_batch."""
@@ -465,10 +575,7 @@ class Engine:
                 work = self.queue.popleft()
                 self.owners[slot] = work
             if self.prefixes:
-                hit = self.prefixes.lookup(work.prompt)
-                if hit:
-                    self.state = self.prefixes.restore(self.state, slot, work.prompt, hit)
-                    work.prefilled = len(hit) * self.prefixes.block
+                work.prefilled = self._run("restore", slot, work.prompt, work.prefix_key)
 
     def _prefill(self) -> None:
         """The next chunk of the oldest waiting prompts, in one dispatch of at most prefill_batch rows and
@@ -485,8 +592,9 @@ class Engine:
         if not chosen:
             return
         rows, width = self._rows_for(len(chosen)), bucket(max(n for _, _, n in chosen), self.prefill_chunk)
-        self.state = extend_rows(
-            self.model, self.state, [slot for slot, _, _ in chosen],
+        self._allow()
+        columns = self._run(
+            "extend", [slot for slot, _, _ in chosen],
             [work.prompt[work.prefilled:work.prefilled + n] for _, work, n in chosen],
             [work.prefilled for _, work, _ in chosen], [work.request for _, work, _ in chosen],
             [work.prefilled + n == len(work.prompt) for _, work, n in chosen], rows, width)
@@ -498,11 +606,10 @@ class Engine:
         self.step_log.append(Step("prefill", len(chosen), sum(n for _, _, n in chosen), len(done)))
         if not done:
             return
-        token, logprob, top_ids, top_logprobs, finish = (host(column) for column in (
-            self.state.token, self.state.logprob, self.state.top_ids, self.state.top_logprobs, self.state.finish))
+        token, logprob, top_ids, top_logprobs, finish = columns
         for slot, work in done:
             if self.prefixes:
-                self.prefixes.store(self.state, slot, work.prompt)
+                self._run("store", slot, work.prompt, work.prefix_key)
             self._deliver(slot, [int(token[slot])], [float(logprob[slot])],
                           self._top(work, top_ids[slot][None], top_logprobs[slot][None]), int(finish[slot]))
 
@@ -510,22 +617,109 @@ class Engine:
         """The prefill rows bucket that holds `count` prompts."""
         return next(size for size in self.row_buckets() if size >= count)
 
-    def _decode(self, top: bool, steps: int):
-        model = self.model
-        return decode(model.decode_params, model.config, self.state, np.int32(steps), self.steps,
-                      model.layout and model.layout.constrain, top, model.plan)
+    @property
+    def _table(self):
+        """The adapter table the programs take (None: no adapters)."""
+        return self.adapters and self.adapters.table
 
-    def _verify(self, drafts: list[list[int]], top: bool):
+    # --- the device programs: each runs through `_run` (the seam), takes host inputs and returns host values ---
+
+    def _run(self, program: str, *inputs):
+        """Run device program `_<program>(*inputs)` (one of PROGRAMS) on this process's state; the leader of a
+        multi-process engine first sends the call to its followers, which run it too (`follow`)."""
+        if self.lockstep is not None:
+            self.lockstep.send(program, inputs)
+        return getattr(self, f"_{program}")(*inputs)
+
+    def follow(self) -> None:
+        """(A follower of a multi-process engine) run the leader's calls, in its order, until the leader stops."""
+        if self.lockstep is None or self.lockstep.leader:
+            raise RuntimeError("follow() is for a follower process's engine (made with a follower's lockstep)")
+        for program, inputs in self.lockstep.calls():
+            if program not in PROGRAMS:
+                raise ValueError(f"the leader sent an unknown program {program!r}; expected one of {sorted(PROGRAMS)}")
+            getattr(self, f"_{program}")(*inputs)
+
+    def _settings(self) -> dict:
+        """What the engines of a multi-process run must share: the model and every program's shapes."""
+        return {"model": repr(self.model), "slots": self.slots, "max_len": self.max_len,
+                "steps_per_dispatch": self.steps, "prefill_batch": self.prefill_batch,
+                "prefill_chunk": self.prefill_chunk, "max_step_tokens": self.max_step_tokens,
+                "prefix_cache": self.prefixes and [self.prefixes.block, self.prefixes.capacity],
+                "speculative": repr(self.speculative)}
+
+    def _agree(self, settings: dict) -> None:
+        """A ValueError naming each setting in which this process's engine differs from the leader's (`settings`)."""
+        differ = [f"{name} {value!r} here, {settings.get(name)!r} on the leader"
+                  for name, value in self._settings().items() if settings.get(name) != value]
+        if differ:
+            raise ValueError(f"this process's engine differs from the leader's: {'; '.join(differ)} (start every "
+                             f"process with the same flags)")
+
+    def _extend(self, rows: list[int], chunks: list[list[int]], starts: list[int], requests: list, last: list[bool],
+                height: int, width: int) -> tuple[np.ndarray, ...] | None:
+        """Prompt chunks into rows of the state (`inputs.extend_rows`). Where a chunk ends its prompt, the state's
+        token, logprob, top_ids, top_logprobs and finish columns on the host (else None)."""
+        self.state = extend_rows(self.model, self.state, rows, chunks, starts, requests, last, height, width,
+                                 self._table)
+        if any(last):
+            state = self.state
+            return hosts(state.token, state.logprob, state.top_ids, state.top_logprobs, state.finish)
+        return None
+
+    def _decode(self, top: bool, steps: int) -> tuple[np.ndarray | None, ...]:
+        """Up to `steps` decode steps of every running slot; what they emitted (`_emitted`)."""
+        model = self.model
+        self.state, emitted = decode(model.decode_params, model.config, self.state, np.int32(steps), self.steps,
+                                     model.layout and model.layout.constrain, top, model.plan, lora=self._table)
+        return self._emitted(emitted, top)
+
+    def _verify(self, drafts: list[list[int]], top: bool) -> tuple[np.ndarray | None, ...]:
+        """One step verifying each slot's drafts; what it emitted (`_emitted`)."""
         model = self.model
         tokens, counts = draft_arrays(drafts, self.speculative.num_speculative_tokens)
-        return verify(model.decode_params, model.config, self.state, tokens, counts,
-                      model.layout and model.layout.constrain, top, model.plan)
+        self.state, emitted = verify(model.decode_params, model.config, self.state, tokens, counts,
+                                     model.layout and model.layout.constrain, top, model.plan, lora=self._table)
+        return self._emitted(emitted, top)
+
+    def _emitted(self, emitted, top: bool) -> tuple[np.ndarray | None, ...]:
+        """(tokens [B, n], logprobs [B, n], counts [B], the state's finish [B], top ids and top logprobs
+        [B, n, TOP_LOGPROBS] or None unless `top`) on the host."""
+        columns = (emitted.tokens, emitted.logprobs, emitted.count, self.state.finish)
+        values = hosts(*columns, *((emitted.top_ids, emitted.top_logprobs) if top else ()))
+        return values if top else (*values, None, None)
+
+    def _free(self, slot: int) -> None:
+        self.state = free(self.state, np.int32(slot))
+
+    def _masks(self, masks: np.ndarray) -> None:
+        """Each slot's bitmask of allowed tokens [B, W] into the state."""
+        self.state = with_bitmasks(self.state, masks)
+
+    def _restore(self, slot: int, prompt: list[int], key: bytes) -> int:
+        """The prompt's cached prefix blocks copied into the slot; returns how many tokens they hold."""
+        hit = self.prefixes.lookup(prompt, key)
+        if hit:
+            self.state = self.prefixes.restore(self.state, slot, prompt, hit)
+        return len(hit) * self.prefixes.block
+
+    def _store(self, slot: int, prompt: list[int], key: bytes) -> None:
+        """The slot's prefilled prompt's whole blocks into the prefix cache."""
+        self.prefixes.store(self.state, slot, prompt, key)
+
+    def _allow(self) -> None:
+        """Each slot's mask of the tokens its request's grammar allows next (every token for the others) into the
+        decode state, while any request has a grammar, and once more after the last one has gone."""
+        rules = [None if work is None else work.rule for work in self.owners]
+        if self._masked or any(rules):
+            self._run("masks", bitmasks(rules, self.model.config.vocab_size))
+            self._masked = any(rules)
 
     def _drafts(self) -> list[list[int]]:
-        """Each decoding slot's n-gram drafts (none past its room), [] for the others."""
+        """Each decoding slot's n-gram drafts (none past its room), [] for the others and for constrained slots."""
         drafts = []
         for work in self.owners:
-            if work is None or not work.decoding:
+            if work is None or not work.decoding or work.rule is not None:
                 drafts.append([])
                 continue
             history = work.prompt + work.handle.tokens
@@ -534,21 +728,21 @@ class Engine:
 
     def _dispatch(self) -> None:
         """steps_per_dispatch decode steps over every decoding slot (one while a prompt waits for the next prefill
-        dispatch: it joins the decoding rows sooner), or one step verifying their drafts; hand out the tokens."""
+        dispatch: it joins the decoding rows sooner; one while a slot's grammar needs its next mask), or one step
+        verifying their drafts; hand out the tokens."""
         top = any(work is not None and work.top_logprobs for work in self.owners)
         drafts = self._drafts() if self.speculative else []
         rows = sum(work is not None and work.decoding for work in self.owners)
+        self._allow()
         if any(drafts):
-            self.state, emitted = self._verify(drafts, top)
+            tokens, logprobs, counts, finish, top_ids, top_logprobs = self._run("verify", drafts, top)
             kind, fed = "verify", rows + sum(map(len, drafts))
         else:
-            steps = 1 if any(work is not None and not work.decoding for work in self.owners) else self.steps
-            self.state, emitted = self._decode(top, steps)
+            single = any(work is not None and (not work.decoding or work.rule is not None) for work in self.owners)
+            steps = 1 if single else self.steps
+            tokens, logprobs, counts, finish, top_ids, top_logprobs = self._run("decode", top, steps)
             kind, fed = "decode", rows * steps
-        tokens, logprobs, counts = host(emitted.tokens), host(emitted.logprobs), host(emitted.count)
         self.step_log.append(Step(kind, rows, fed, int(counts.sum())))
-        finish = host(self.state.finish)
-        top_ids, top_logprobs = (host(emitted.top_ids), host(emitted.top_logprobs)) if top else (None, None)
         for slot, work in enumerate(self.owners):
             if work is not None and counts[slot]:
                 n = counts[slot]
@@ -568,12 +762,13 @@ class Engine:
         """A slot's new tokens to its request (finish: its row's finish state after them); the request finished
         when its row did or a stop string appeared. A stop id that finished the row never reaches the stream."""
         self.counters["tokens_generated"] += len(tokens)
-        reason = self.owners[slot].handle._add(tokens, logprobs, top, finish, self.eos)
+        work = self.owners[slot]
+        reason = work.handle._add(tokens, logprobs, top, finish, self.eos, work.rule)
         if reason is not None:
             self._vacate(slot, reason)
 
     def _vacate(self, slot: int, reason: str) -> None:
-        self.state = free(self.state, np.int32(slot))
+        self._run("free", slot)
         with self._wake:
             work, self.owners[slot] = self.owners[slot], None
         self._finish(work, reason)

@@ -75,10 +75,12 @@ def field_path(loc: list) -> str | None:
     return path
 
 
-def request_error(error: Exception, prompt_field: str) -> APIError:
-    """A refused input (BAD_INPUT) as a 400 naming its field: a RequestError's own field, its prompt as the
-    endpoint's `prompt_field`; anything else (the tokenizer's or the chat template's errors) is the prompt's."""
+def request_error(error: Exception, prompt_field: str, renamed: dict[str, str] | None = None) -> APIError:
+    """A refused input (BAD_INPUT) as a 400 naming its field: a RequestError's own field (or the body's name for
+    it in `renamed`), its prompt as the endpoint's `prompt_field`; anything else (the tokenizer's or the chat
+    template's errors) is the prompt's."""
     field = error.field if isinstance(error, RequestError) and error.field != "prompt" else prompt_field
+    field = (renamed or {}).get(field, field)
     return APIError(400, " ".join(str(error).split()), field)
 
 

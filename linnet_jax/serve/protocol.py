@@ -3,7 +3,7 @@
 Request bodies are strict pydantic models: a wrong JSON type is a 400 that names the field (`"5"` is not an
 int, `1` is not a bool). Every field that OpenAI defines and this server does not implement is refused by name
 (`refused_field`), unless it holds the value that means "not used"; other unknown fields are accepted, as vLLM
-accepts them. Responses are plain dicts in OpenAI's shapes: `/v1/completions` (`Completions`) and
+accepts them. A grammar comes as OpenAI's `response_format` or vLLM's `structured_outputs` (`structured`). Responses are plain dicts in OpenAI's shapes: `/v1/completions` (`Completions`) and
 `/v1/chat/completions` (`ChatCompletions`), streamed as chunks or whole.
 """
 
@@ -21,10 +21,11 @@ from linnet_jax.serve.errors import APIError
 
 # OpenAI fields this server does not implement -> the values that mean "not used" (accepted).
 REFUSED = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
-    "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},), "suffix": ("",),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "suffix": ("",),
     "best_of": (1,),
 }
+STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's kinds that this server takes
+ANY_JSON_OBJECT = {"json": {"type": "object"}}
 # OpenAI's finish_reason for each of the engine's stop reasons.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
 
@@ -50,6 +51,11 @@ class Sampling(Strict):
     top_k: int | None = Field(None, ge=-1)  # -1 (vLLM's spelling) or 0: no top-k
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -102,6 +108,19 @@ class DetokenizeRequest(Strict):
     tokens: list[int]
 
 
+class LoadLoraRequest(Strict):
+    """POST /v1/load_lora_adapter (vLLM's): a PEFT adapter directory served as `lora_name`."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(Strict):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+
+    lora_name: str
+
+
 def refused_field(body: BaseModel) -> str | None:
     """The first OpenAI field in the request that this server does not implement (and does not hold its
     "not used" value), or None."""
@@ -133,16 +152,49 @@ def budget(body: Sampling) -> tuple[str, int | None]:
     return "max_tokens", body.max_tokens
 
 
+def structured(body: Sampling) -> tuple[dict | None, str]:
+    """The request's grammar as Engine.submit's `structured` (None: none) and the field it came from: OpenAI's
+    response_format ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema",
+    "strict"}}) or vLLM's structured_outputs (one of json, regex, choice, grammar, json_object). A 400 naming the
+    field for any other shape (what a grammar's content gets wrong, Engine.submit says)."""
+    response_format, outputs = body.response_format, body.structured_outputs
+    if outputs is not None:
+        if response_format not in (None, {"type": "text"}):
+            raise APIError(400, "give one of response_format and structured_outputs", "structured_outputs")
+        kinds = [kind for kind in STRUCTURED_OUTPUTS if outputs.get(kind) not in (None, False)]
+        if len(kinds) != 1:
+            raise APIError(400, f"structured_outputs must hold one of {', '.join(STRUCTURED_OUTPUTS)}, got "
+                                f"{sorted(outputs)}", "structured_outputs")
+        spec = ANY_JSON_OBJECT if kinds[0] == "json_object" else {kinds[0]: outputs[kinds[0]]}
+        return spec, "structured_outputs"
+    kind = (response_format or {}).get("type", "text")
+    if kind == "json_object":
+        return ANY_JSON_OBJECT, "response_format"
+    if kind == "json_schema":
+        schema = response_format.get("json_schema")
+        if not isinstance(schema, dict) or not isinstance(schema.get("name"), str):
+            raise APIError(400, 'response_format.json_schema must be an object with a "name" and a "schema"',
+                           "response_format.json_schema")
+        return {"json": schema.get("schema", {})}, "response_format"
+    if kind != "text":
+        raise APIError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                       "response_format.type")
+    return None, "response_format"
+
+
 def engine_options(body: Sampling, top_logprobs: int) -> dict:
-    """The Engine.submit keywords of a request (OpenAI's defaults: temperature 1, top_p 1), seed and choice aside."""
+    """The Engine.submit keywords of a request (OpenAI's defaults: temperature 1, top_p 1), seed, choice and
+    structured aside."""
     def given(value, default):
         return default if value is None else value
 
     return dict(
         max_tokens=budget(body)[1],
         temperature=given(body.temperature, 1.0), top_p=given(body.top_p, 1.0), top_k=max(given(body.top_k, 0), 0),
-        min_p=given(body.min_p, 0.0), repetition_penalty=given(body.repetition_penalty, 1.0), stop=body.stop,
-        stop_token_ids=body.stop_token_ids, ignore_eos=bool(body.ignore_eos), top_logprobs=top_logprobs)
+        min_p=given(body.min_p, 0.0), repetition_penalty=given(body.repetition_penalty, 1.0),
+        presence_penalty=given(body.presence_penalty, 0.0), frequency_penalty=given(body.frequency_penalty, 0.0),
+        logit_bias=body.logit_bias, stop=body.stop, stop_token_ids=body.stop_token_ids,
+        ignore_eos=bool(body.ignore_eos), top_logprobs=top_logprobs)
 
 
 @dataclasses.dataclass

@@ -6,6 +6,9 @@ Each line of the file (UTF-8) is one record, in one of three forms:
   {"prompt": "...", "completion": "..."}              only the completion (and an EOS) counts
   {"text": "..."}                                     every token (and an EOS) counts
 
+Preference data (DPO, `load_pairs`) holds {"prompt": ...} or {"messages": [...]} with "chosen" and "rejected"
+replies (strings): each reply becomes its own document after the prompt, and only the reply counts.
+
 Assistant spans are found by rendering prefixes of the conversation (most chat templates have no
 `{% generation %}` markers): the text a turn adds after the generation prompt of the turns before it.
 Each piece is tokenized on its own, as a prompt and its generated reply are at inference.
@@ -113,8 +116,9 @@ def document(pieces: list[tuple[list[int], int]], where: str) -> Document:
     return Document(tokens, mask, where)
 
 
-def chat_document(messages: list, tokenizer, where: str) -> Document:
-    """A conversation rendered with the chat template; the assistant turns count in the loss."""
+def chat_document(messages: list, tokenizer, where: str, *, last_only: bool = False) -> Document:
+    """A conversation rendered with the chat template; the assistant turns count in the loss (the last one
+    only with last_only: a preference pair's reply after its prompt conversation)."""
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("content"), str):
             raise DataError(f'{where}: messages[{i}] must be an object with a "role" and a string "content", '
@@ -128,6 +132,8 @@ def chat_document(messages: list, tokenizer, where: str) -> Document:
         if not messages[i]["content"].strip() and not messages[i].get("tool_calls"):
             raise DataError(f"{where}: messages[{i}] is an empty assistant turn; it would teach the model to end its "
                             "turn at once")
+    if last_only:
+        turns = turns[-1:]
     if turns[0] == 0:
         raise DataError(f"{where}: the conversation starts with an assistant turn; expected a system or user turn "
                         "before it")
@@ -153,28 +159,73 @@ def load_documents(path, tokenizer, seq_len: int, *, truncate: bool = False) -> 
 
     A longer document is a DataError naming its line unless truncate=True; then it is cut to seq_len and
     counted (and a warning says how many were)."""
-    documents, truncated = [], 0
+    return load_records(path, encode_record, tokenizer, seq_len, truncate)
+
+
+def load_pairs(path, tokenizer, seq_len: int, *, truncate: bool = False) -> tuple[list[tuple[Document, Document]], int]:
+    """The file's preference records (see `encode_pair`) as (chosen, rejected) Documents of at most seq_len tokens,
+    and how many records were truncated; a longer one is refused or cut as `load_documents` does."""
+    return load_records(path, encode_pair, tokenizer, seq_len, truncate)
+
+
+def load_records(path, encode, tokenizer, seq_len: int, truncate: bool) -> tuple[list, int]:
+    """Each record of the file as encode(record, tokenizer, where) gives it (a Document or a tuple of them), each
+    Document fitted to seq_len (`fit`), and how many records were truncated."""
+    items, truncated = [], 0
     for where, record in read_jsonl(path):
         try:
-            doc = encode_record(record, tokenizer, where)
+            item = encode(record, tokenizer, where)
         except DataError:
             raise
         except ValueError as error:  # the tokenizer's or the chat template's, e.g. a lone surrogate in a string
             raise DataError(f"{where}: {error}") from error
-        if len(doc.tokens) > seq_len:
-            if not truncate:
-                raise DataError(f"{where}: the record is {len(doc.tokens)} tokens long, longer than seq_len={seq_len}; "
-                                "raise seq_len (--seq-len), shorten it, or truncate (--truncate) and the cuts are counted")
-            doc = Document(doc.tokens[:seq_len], doc.loss_mask[:seq_len], doc.source)
-            truncated += 1
-        if not doc.loss_mask.any():
-            raise DataError(f"{where}: the record has no token that counts in the loss"
-                            + (" after truncation to seq_len" if len(doc.tokens) == seq_len else ""))
-        documents.append(doc)
+        docs = item if isinstance(item, tuple) else (item,)
+        fitted = tuple(fit(doc, seq_len, truncate) for doc in docs)
+        truncated += any(len(a.tokens) < len(b.tokens) for a, b in zip(fitted, docs))
+        items.append(fitted if isinstance(item, tuple) else fitted[0])
     if truncated:
-        warnings.warn(f"{path}: {truncated} of {len(documents)} records were truncated to seq_len={seq_len}",
-                      stacklevel=2)
-    return documents, truncated
+        warnings.warn(f"{path}: {truncated} of {len(items)} records were truncated to seq_len={seq_len}",
+                      stacklevel=3)
+    return items, truncated
+
+
+def fit(doc: Document, seq_len: int, truncate: bool) -> Document:
+    """The Document if it fits in seq_len tokens; else cut to seq_len (truncate) or a DataError naming its line.
+    One with no token left that counts in the loss is a DataError."""
+    if len(doc.tokens) > seq_len:
+        if not truncate:
+            raise DataError(f"{doc.source}: the record is {len(doc.tokens)} tokens long, longer than "
+                            f"seq_len={seq_len}; raise seq_len (--seq-len), shorten it, or truncate (--truncate) and the cuts are counted")
+        doc = Document(doc.tokens[:seq_len], doc.loss_mask[:seq_len], doc.source)
+    if not doc.loss_mask.any():
+        raise DataError(f"{doc.source}: the record has no token that counts in the loss"
+                        + (" after truncation to seq_len" if len(doc.tokens) == seq_len else ""))
+    return doc
+
+
+def encode_pair(record, tokenizer, where: str) -> tuple[Document, Document]:
+    """A preference record as its (chosen, rejected) Documents: the prompt, then the reply, which alone counts.
+
+      {"prompt": "...", "chosen": "...", "rejected": "..."}    each reply encoded as a completion (and an EOS)
+      {"messages": [...], "chosen": "...", "rejected": "..."}  each reply appended to the conversation as an
+                                                               assistant turn, rendered with the chat template
+    """
+    prompt = record.get("prompt") if isinstance(record, dict) else None
+    messages = record.get("messages") if isinstance(record, dict) else None
+    replies = isinstance(record, dict) and all(isinstance(record.get(name), str) for name in ("chosen", "rejected"))
+    if not (replies and isinstance(prompt, str) != isinstance(messages, list)):
+        got = f"keys {sorted(record)}" if isinstance(record, dict) else f"a JSON {type(record).__name__}"
+        raise DataError(f'{where}: expected a preference record: "prompt" (a string) or "messages" (a list), not '
+                        f'both, with "chosen" and "rejected" (strings); got {got}')
+    if messages is not None and not messages:
+        raise DataError(f"{where}: the messages are empty; expected the conversation the replies answer")
+
+    def reply(text: str) -> Document:
+        if messages is None:
+            return encode_record({"prompt": prompt, "completion": text}, tokenizer, where)
+        return chat_document(messages + [{"role": "assistant", "content": text}], tokenizer, where, last_only=True)
+
+    return reply(record["chosen"]), reply(record["rejected"])
 
 
 def pack(documents: list[Document], seq_len: int, *, packing: bool = True) -> dict[str, np.ndarray]:
@@ -205,13 +256,18 @@ def pack(documents: list[Document], seq_len: int, *, packing: bool = True) -> di
 class Batches:
     """Endless batches of rows [batch_size, seq_len] over epochs. Epoch e packs the documents in the order of a
     permutation drawn from (seed, e) (in file order with shuffle=False); the rows of consecutive epochs form one
-    stream. get_state() -> {"epoch", "row"}: the position of the next row; set_state(state) returns there, so a
-    resumed run sees the same batches."""
+    stream. Groups of documents (preference pairs, (chosen, rejected)) are shuffled as one, each document on its
+    own row (packing=False): a batch holds whole groups, consecutive rows. get_state() -> {"epoch", "row"}: the
+    position of the next row; set_state(state) returns there, so a resumed run sees the same batches."""
 
-    def __init__(self, documents: list[Document], batch_size: int, seq_len: int, *, seed: int = 0,
-                 packing: bool = True, shuffle: bool = True):
+    def __init__(self, documents: list[Document] | list[tuple[Document, ...]], batch_size: int, seq_len: int, *,
+                 seed: int = 0, packing: bool = True, shuffle: bool = True):
         if not documents:
             raise DataError("no documents to make batches of")
+        if isinstance(documents[0], tuple) and (packing or batch_size % len(documents[0])):
+            raise ValueError(f"groups of {len(documents[0])} documents (preference pairs) go one per row, unpacked "
+                             f"(packing=False), in batches of whole groups; got packing={packing}, "
+                             f"batch_size={batch_size}")
         self.documents, self.batch_size, self.seq_len = documents, batch_size, seq_len
         self.seed, self.packing, self.shuffle = seed, packing, shuffle
         self.epoch, self.row = 0, 0
@@ -222,7 +278,9 @@ class Batches:
         if self._rows is None or self._rows[0] != epoch:
             order = (np.random.default_rng([self.seed, epoch]).permutation(len(self.documents)) if self.shuffle
                      else np.arange(len(self.documents)))
-            self._rows = epoch, pack([self.documents[i] for i in order], self.seq_len, packing=self.packing)
+            documents = [doc for i in order for doc in (self.documents[i] if isinstance(self.documents[i], tuple)
+                                                        else (self.documents[i],))]
+            self._rows = epoch, pack(documents, self.seq_len, packing=self.packing)
         return self._rows[1]
 
     def __iter__(self):

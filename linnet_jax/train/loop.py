@@ -2,7 +2,9 @@
 (`linnet-jax finetune` loads `--model`, then exports the result with `linnet_jax.export.hf` and `.peft`).
 
     out_dir/
-      metrics.jsonl   one JSON line per step: step, loss, grad_norm, tokens, lr (and tokens_per_s)
+      metrics.jsonl   one JSON line per step: step, loss, grad_norm, tokens, lr (and tokens_per_s); DPO adds
+                      rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies; every eval_every
+                      steps, lm-eval's results on eval_tasks as "eval/<task>/<metric>,<filter>"
       checkpoints/    Orbax checkpoints (see checkpoints.py); resume=True continues from the latest
 
 A non-empty out_dir is refused unless the run resumes there (resume=True) or starts again over what finetune
@@ -23,7 +25,7 @@ from tqdm import tqdm
 from linnet_jax.loaded import Model
 from linnet_jax.models.lora import LoraConfig
 from linnet_jax.train.checkpoints import Checkpoints, latest_saved_step
-from linnet_jax.train.data import Batches, DataError, json_lines, load_documents
+from linnet_jax.train.data import Batches, DataError, json_lines, load_documents, load_pairs
 from linnet_jax.train.lora import merge_lora
 from linnet_jax.train.step import TrainState, init_state, make_train_step, optimizer, shard_batch
 
@@ -44,7 +46,8 @@ class Result:
 OUTPUTS = ("metrics.jsonl", "checkpoints", "model", "adapter")
 # The settings a checkpoint's data position means something with (run_settings), and the flag of each.
 SETTING_FLAGS = {"data_sha256": "--data", "seq_len": "--seq-len", "batch_size": "--batch-size",
-                 "accum_steps": "--accum-steps", "packing": "--no-packing", "seed": "--seed", "dtype": "--dtype"}
+                 "accum_steps": "--accum-steps", "packing": "--no-packing", "seed": "--seed", "dtype": "--dtype",
+                 "method": "--method"}
 
 
 def check_out_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
@@ -78,13 +81,13 @@ def read_metrics(path: Path, through: int) -> list[dict]:
 
 
 def run_settings(model: Model, data, *, seq_len: int, batch_size: int, accum_steps: int, packing: bool,
-                 seed: int) -> dict:
+                 seed: int, method: str = "sft") -> dict:
     """What a checkpoint's data position means something with: the data file's contents (sha256), how its
-    records are cut into batches, and the params' dtype."""
+    records are read (the method) and cut into batches, and the params' dtype."""
     with open(data, "rb") as file:
         digest = hashlib.file_digest(file, "sha256").hexdigest()
     return {"data_sha256": digest, "seq_len": seq_len, "batch_size": batch_size, "accum_steps": accum_steps,
-            "packing": packing, "seed": seed, "dtype": model.config.dtype}
+            "packing": packing, "seed": seed, "dtype": model.config.dtype, "method": method}
 
 
 def check_settings(saved: dict | None, settings: dict, where: str) -> None:
@@ -119,11 +122,21 @@ def tuned_model(model: Model, state: TrainState) -> Model:
     return tuned if state.lora is None else merge_lora(tuned, state.lora)
 
 
+def evaluation(model: Model, tasks, include_path, limit) -> dict[str, float]:
+    """lm-eval's numbers for the model on the tasks, as metrics.jsonl's "eval/<task>/<metric>,<filter>" fields."""
+    from linnet_jax.eval import evaluate, metric_values
+
+    return {f"eval/{name}": value for name, value in metric_values(evaluate(model, tasks, include_path=include_path,
+                                                                            limit=limit)).items()}
+
+
 def finetune(model: Model, data, out_dir, *, lora: LoraConfig | None = LoraConfig(), steps: int = 100,
              batch_size: int = 4, seq_len: int = 512, lr: float = 1e-4, warmup: int = 0, accum_steps: int = 1,
              save_every: int = 100, keep: int = 3, resume: bool = False, resume_anyway: bool = False,
              overwrite: bool = False, seed: int = 0, packing: bool = True, truncate: bool = False,
-             remat: bool = False, compute_dtype=None, progress: bool = True) -> Result:
+             remat: bool = False, compute_dtype=None, method: str = "sft", beta: float = 0.1,
+             reference_free: bool = False, eval_tasks=None, eval_every: int | None = None, eval_include_path=None,
+             eval_limit: float | None = None, progress: bool = True) -> Result:
     """Fine-tune `model` (a Model with a tokenizer) on the JSON Lines file `data`, writing out_dir as the module
     docstring lays out; returns the last state and the fine-tuned model.
 
@@ -137,6 +150,15 @@ def finetune(model: Model, data, out_dir, *, lora: LoraConfig | None = LoraConfi
     resume_anyway=True (which implies resume); overwrite=True starts again, replacing out_dir's metrics.jsonl
     and checkpoints/ (`linnet-jax finetune` then replaces its model/ and adapter/ exports) and leaving anything
     else there.
+    method: "sft" (records as `load_documents` reads them) or "dpo": preference records (`load_pairs`: a prompt or
+    messages, a chosen and a rejected reply), batch_size pairs a micro-batch, one reply a row (never packed),
+    the sigmoid DPO loss with temperature beta against the reference: the frozen base under LoRA (the adapters
+    off; no second copy), a frozen copy of the initial params in full fine-tuning (the model's own arrays),
+    none with reference_free.
+    eval_tasks (lm-eval task names, a list or one comma-separated string; lm-eval needed): every eval_every steps
+    (default: at the last step only) and at the last, run lm-eval on the model as trained so far
+    (`linnet_jax.eval.evaluate`, tasks of eval_include_path added, eval_limit documents per task) and add its
+    numbers to that step's line of metrics.jsonl.
     A step whose loss or gradient norm is not finite stops the run with a `Diverged` error.
     """
     if model.tokenizer is None:
@@ -144,13 +166,25 @@ def finetune(model: Model, data, out_dir, *, lora: LoraConfig | None = LoraConfi
     out = Path(out_dir)
     resume = resume or resume_anyway
     check_out_dir(out, resume=resume, overwrite=overwrite)
-    documents, truncated = load_documents(data, model.tokenizer, seq_len, truncate=truncate)
-    settings = run_settings(model, data, seq_len=seq_len, batch_size=batch_size, accum_steps=accum_steps,
-                            packing=packing, seed=seed)
-    batches = Batches(documents, batch_size * accum_steps, seq_len, seed=seed, packing=packing)
+    if eval_every is not None and not eval_tasks:
+        raise ValueError("eval_every needs eval_tasks (--eval-tasks), the lm-eval tasks to run")
+    if eval_tasks:
+        from linnet_jax.eval import tasks_to_run
+
+        tasks_to_run(eval_tasks, eval_include_path)  # an unknown task is refused before training, not after
     tx = optimizer(lr, steps=steps, warmup=warmup)
-    state = init_state(model, tx, lora=lora, seed=seed)
-    step_fn = make_train_step(tx, lora=lora, accum_steps=accum_steps, compute_dtype=compute_dtype, remat=remat)
+    step_fn = make_train_step(tx, lora=lora, accum_steps=accum_steps, compute_dtype=compute_dtype, remat=remat,
+                              method=method, beta=beta, reference_free=reference_free)
+    if method == "dpo":
+        packing, rows = False, 2 * batch_size  # a pair is two rows, one reply each
+        documents, truncated = load_pairs(data, model.tokenizer, seq_len, truncate=truncate)
+    else:
+        rows = batch_size
+        documents, truncated = load_documents(data, model.tokenizer, seq_len, truncate=truncate)
+    settings = run_settings(model, data, seq_len=seq_len, batch_size=batch_size, accum_steps=accum_steps,
+                            packing=packing, seed=seed, method=method)
+    batches = Batches(documents, rows * accum_steps, seq_len, seed=seed, packing=packing)
+    state = init_state(model, tx, lora=lora, seed=seed, reference=method == "dpo" and not reference_free)
     metrics_path = out / "metrics.jsonl"
     if overwrite:
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
@@ -175,6 +209,8 @@ def finetune(model: Model, data, out_dir, *, lora: LoraConfig | None = LoraConfi
                 record = {"step": int(state.step), **{k: float(v) for k, v in jax.device_get(metrics).items()}}
                 record["tokens_per_s"] = int((batch["segment_ids"] > 0).sum()) / (time.perf_counter() - start)
                 check_finite(record, checkpoints)
+                if eval_tasks and (record["step"] == steps or (eval_every and record["step"] % eval_every == 0)):
+                    record |= evaluation(tuned_model(model, state), eval_tasks, eval_include_path, eval_limit)
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 history.append(record)
