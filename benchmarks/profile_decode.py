@@ -1,11 +1,12 @@
 """The decode core's loop on the CPU over each platform's weights, and where its time goes.
 
-SmolLM2-135M-Instruct float32 (the embedded default), batch 1, a cache of 1024 slots holding a
+SmolLM2-135M-Instruct float32 (the embedded default), batch 1, a cache of 640 slots holding a
 512-token prompt (random ids 100..40000, seed 0), greedy, eos ignored. Each variant runs the
 decode core's own programs (`linnet_jax.decode`): `extend` (the prompt), then `decode` (the
-on-device while_loop) timed over --steps steps, with the weights as the hardware plan
-(`linnet_jax.backend.Plan.unstacked_layers`) gives them: per-layer views (XLA:CPU's choice) or the stacked
-arrays sliced inside the program (GPUs' and TPUs'). The variants are interleaved run by run, and
+on-device while_loop) timed over --steps steps, with the weights and products as a hardware plan
+(`linnet_jax.backend.Plan`) gives them: this machine's plan (per-layer views and, on one CPU device, the
+matrix-vector kernels), per-layer views with XLA's products, or the stacked arrays sliced inside the
+program (GPUs' and TPUs'). The variants are interleaved run by run, and
 the median is reported. --profile lists the XLA ops of one decode call of each variant, summed by
 op name. --products times each of a layer's matrix-vector products alone, read from memory as decode
 reads them (cycled through enough copies to miss every cache), with XLA:CPU's default kernels and with
@@ -16,6 +17,7 @@ YNNPACK's (`compiler_options`), and how many cores each keeps busy (CPU time ove
 
 import argparse
 import collections
+import dataclasses
 import gzip
 import json
 import re
@@ -33,47 +35,51 @@ from linnet_jax.decode import decode, extend
 from linnet_jax.inputs import make_requests, make_sampling, new_slots, stop_id_array
 from linnet_jax.models.params import unstack_layers
 
-PROMPT, CACHE = 512, 1024
+PROMPT, CACHE = 512, 640  # benchmarks/decode.py's protocol: 512 prompt ids + 128 new
 PRODUCT_BYTES = 256e6  # each product is cycled through this many bytes of copies: none stays in a cache
 KERNELS = {"XLA:CPU default": None,
            "YNNPACK dots": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}}
 
 
 def variants(model):
-    """name -> params, for each way the switch can hand the weights to the programs."""
-    return {"stacked (GPU/TPU: sliced in the program)": model.params,
-            "per-layer views (XLA:CPU, unstack_layers)": unstack_layers(model.params, views=True)}
+    """name -> (params, plan), for each way the plan can hand the weights and products to the programs."""
+    plan = model.plan
+    xla = dataclasses.replace(plan, matvec_kernels=False)
+    stacked = dataclasses.replace(xla, unstacked_layers=False)
+    return {"the plan's (per-layer views, kernels)": (model.decode_params, plan),
+            "per-layer views, XLA's products": (unstack_layers(model.params, views=True), xla),
+            "stacked (GPU/TPU: sliced in the program)": (model.params, stacked)}
 
 
-def prefilled(model, params, steps):
+def prefilled(model, params, plan, steps):
     """A one-row decode state holding the prompt and its first token."""
     ids = np.random.default_rng(0).integers(100, 40000, PROMPT).tolist()
     request = make_requests(make_sampling(1, 0.0, 0, 1.0, 0.0, 1.0, 0), stop_id_array(model, [], ignore_eos=True),
                             steps + 1)
     row, one = np.zeros(1, np.int32), np.ones(1, bool)
     slots = extend(params, model.config, new_slots(model, 1, CACHE), row, np.asarray([ids], np.int32), row,
-                   np.full(1, PROMPT, np.int32), request, one)
+                   np.full(1, PROMPT, np.int32), request, one, plan=plan)
     return jax.block_until_ready(slots)
 
 
-def run_decode(model, params, slots, steps):
-    slots, emitted = decode(params, model.config, slots, np.int32(steps), steps)
+def run_decode(model, params, plan, slots, steps):
+    slots, emitted = decode(params, model.config, slots, np.int32(steps), steps, plan=plan)
     jax.block_until_ready(emitted)
     assert int(emitted.count[0]) == steps
     return slots
 
 
-def decode_seconds(model, params, steps):
+def decode_seconds(model, params, plan, steps):
     """Wall time of one decode call of `steps` steps (the state is donated, so a fresh prefill each time)."""
-    return timed(run_decode, model, params, prefilled(model, params, steps), steps)[0]
+    return timed(run_decode, model, params, plan, prefilled(model, params, plan, steps), steps)[0]
 
 
-def op_times(model, params, steps, top=12):
+def op_times(model, params, plan, steps, top=12):
     """ms per step of the XLA ops of one profiled decode call, summed by name (numbering dropped)."""
-    slots = prefilled(model, params, steps)
+    slots = prefilled(model, params, plan, steps)
     with tempfile.TemporaryDirectory() as directory:
         with jax.profiler.trace(directory, create_perfetto_trace=True):
-            run_decode(model, params, slots, steps)
+            run_decode(model, params, plan, slots, steps)
         trace = next(Path(directory).rglob("*.trace.json.gz"))
         events = json.load(gzip.open(trace))["traceEvents"]
     totals, counts = collections.Counter(), collections.Counter()
@@ -142,20 +148,20 @@ def main():
     if args.products:
         return print_products(model)
     runs = variants(model)
-    for params in runs.values():  # compile
-        decode_seconds(model, params, args.steps)
+    for params, plan in runs.values():  # compile
+        decode_seconds(model, params, plan, args.steps)
     times = {name: [] for name in runs}
     for _ in range(args.runs):
-        for name, params in runs.items():
-            times[name].append(decode_seconds(model, params, args.steps))
+        for name, (params, plan) in runs.items():
+            times[name].append(decode_seconds(model, params, plan, args.steps))
     print(f"decode loop, {args.steps} steps, median of {args.runs} (interleaved):")
     for name, seconds in times.items():
         ms = median(seconds) / args.steps * 1e3
         print(f"  {name:45s} {ms:6.1f} ms/step  {1e3 / ms:5.1f} tok/s")
     if args.profile:
-        for name, params in runs.items():
+        for name, (params, plan) in runs.items():
             print(f"\n{name}: XLA ops, ms per step (count per step)")
-            for op, ms, count in op_times(model, params, args.steps):
+            for op, ms, count in op_times(model, params, plan, args.steps):
                 print(f"  {ms:7.2f}  ({count:4.0f})  {op}")
 
 
