@@ -101,6 +101,10 @@ class System:
         """Read the checkpoint and leave the weights ready for `generate` (timed as the load)."""
         raise NotImplementedError
 
+    def setup(self) -> str | None:
+        """After `load`: how this system runs here, when a machine can change it (a line of the report), or None."""
+        return None
+
     def generate(self, ids: np.ndarray, new_tokens: int) -> list[int]:
         """Exactly `new_tokens` greedy tokens after the prompt ids [T], eos ignored; returns when done."""
         raise NotImplementedError
@@ -143,6 +147,18 @@ class LinnetJax(System):
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
         return np.asarray(self.linnet_jax.logits(self.model, ids)[0], np.float32)
+
+    def setup(self) -> str:
+        """Which products the batch-1 steps run (the hardware plan's choice): a run on a machine where linnet's
+        kernels did not build, or this CPU or jaxlib cannot take them, reads as XLA's products."""
+        from linnet_jax.ops import matvec
+
+        plan = self.model.plan
+        if plan.matvec_kernels:
+            return f"batch-1 products through linnet's matrix-vector kernels ({plan})"
+        why = ("not built" if matvec.library_path() is None else "this CPU lacks AVX2/FMA"
+               if not matvec.cpu_has_vector_units() else "built against another jaxlib")
+        return f"batch-1 products are XLA's: linnet's kernels are unavailable here ({why}; {plan})"
 
 
 @register("transformers")
@@ -431,7 +447,7 @@ def serve(name: str, model_path: Path, prompt_tokens: int, new_tokens: int) -> N
     except Exception as error:  # reported as the row's failure
         send(error_reply(error))
         return
-    send({"load_s": load_s})
+    send({"load_s": load_s, "setup": system.setup()})
     for line in sys.stdin:
         command = json.loads(line)
         if command["cmd"] == "quit":
@@ -464,6 +480,7 @@ class Measured:
     distance_rows: int | None = None  # prompt positions the distance covers, when fewer than all
     agreement: int | None = None
     roofline_share: float | None = None  # median decode x bytes read per token / the run's read bandwidth
+    setup: str | None = None  # how the system runs on this machine (`System.setup`)
 
     @property
     def ok(self) -> bool:
@@ -501,7 +518,7 @@ class Worker:
                                         env=os.environ | WORKER_ENV)
         ready = self.receive()
         if ready is not None:
-            self.measured.load_s = ready["load_s"]
+            self.measured.load_s, self.measured.setup = ready["load_s"], ready["setup"]
 
     def receive(self) -> dict | None:
         """The next reply, or None after recording the failure (an error reply or a dead worker)."""
@@ -705,6 +722,8 @@ def notes(results: list[Measured], sizes: tuple[int, int], bandwidth: float) -> 
     if not any(m.name == REFERENCE and m.logits_path for m in results):
         lines.append(f"- no distance or agreement: the reference ({REFERENCE}) was not in this run or failed")
     for m in results:
+        if m.setup:
+            lines.append(f"- {m.label}: {m.setup}")
         if m.distance_rows:
             lines.append(f"- {m.label}: distance over the last {plural(m.distance_rows, 'prompt position')} only "
                          "(its programs return last-position logits)")

@@ -9,8 +9,9 @@ matrix-vector kernels), per-layer views with XLA's products, or the stacked arra
 program (GPUs' and TPUs'). The variants are interleaved run by run, and
 the median is reported. --profile lists the XLA ops of one decode call of each variant, summed by
 op name. --products times each of a layer's matrix-vector products alone, read from memory as decode
-reads them (cycled through enough copies to miss every cache), with XLA:CPU's default kernels and with
-YNNPACK's (`compiler_options`), and how many cores each keeps busy (CPU time over wall time).
+reads them (cycled through enough copies to miss every cache), with XLA:CPU's default kernels, with
+YNNPACK's (`compiler_options`) and with linnet's (`ops.matvec`), and how many cores each keeps busy (CPU time
+over wall time).
 
     python benchmarks/profile_decode.py [--steps 64] [--runs 5] [--profile] [--products]
 """
@@ -34,11 +35,13 @@ import linnet_jax
 from linnet_jax.decode import decode, extend
 from linnet_jax.inputs import make_requests, make_sampling, new_slots, stop_id_array
 from linnet_jax.models.params import unstack_layers
+from linnet_jax.ops import matvec
 
 PROMPT, CACHE = 512, 640  # benchmarks/decode.py's protocol: 512 prompt ids + 128 new
 PRODUCT_BYTES = 256e6  # each product is cycled through this many bytes of copies: none stays in a cache
-KERNELS = {"XLA:CPU default": None,
-           "YNNPACK dots": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}}
+KERNELS = {"XLA:CPU default": (jax.numpy.einsum, None),  # name: (the product's einsum, XLA compiler options)
+           "YNNPACK dots": (jax.numpy.einsum, {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}),
+           "linnet kernels": (matvec.einsum, None)}
 
 
 def variants(model):
@@ -100,7 +103,7 @@ def product_shapes(model) -> dict[str, tuple[int, int]]:
             "lm head (vd)": (d, config.vocab_size)}
 
 
-def product_time(inputs: int, outputs: int, options, head: bool) -> tuple[float, float]:
+def product_time(inputs: int, outputs: int, einsum, options, head: bool) -> tuple[float, float]:
     """(seconds per product, cores busy) of x[1, inputs] @ W over distinct copies of W, in one program.
     W is [inputs, outputs] (our layers' layout) or [outputs, inputs] for the head."""
     copies = max(2, int(PRODUCT_BYTES // (inputs * outputs * 4)))
@@ -111,7 +114,7 @@ def product_time(inputs: int, outputs: int, options, head: bool) -> tuple[float,
     @jax.jit(compiler_options=options)
     def chain(x, weights):
         for w in weights:  # each product's input depends on the last: they run one after another
-            x = x.at[:, :1].add(jax.numpy.einsum(spec, x, w)[:, :1] * 1e-9)
+            x = x.at[:, :1].add(einsum(spec, x, w)[:, :1] * 1e-9)
         return x
 
     x = jax.numpy.ones((1, inputs), jax.numpy.float32)
@@ -131,8 +134,8 @@ def print_products(model):
     for name, (inputs, outputs) in product_shapes(model).items():
         mb = inputs * outputs * 4 / 1e6
         cells = []
-        for options in KERNELS.values():
-            seconds, cores = product_time(inputs, outputs, options, head=name.startswith("lm head"))
+        for einsum, options in KERNELS.values():
+            seconds, cores = product_time(inputs, outputs, einsum, options, head=name.startswith("lm head"))
             cells.append(f"{seconds * 1e6:7.0f} us {mb / 1e3 / seconds:5.1f} GB/s {cores:4.2f} cores")
         print(f"  {name:14s} {f'{inputs}x{outputs}':>12s} {mb:6.2f}  " + "  ".join(f"{c:>28s}" for c in cells))
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from linnet_jax.ops import matvec
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "benchmarks" / "page.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -101,6 +103,8 @@ def test_quick_page_writes_results_and_describes_the_run(quick_page):
     native = next(row for row in decode["rows"] if row["name"] == "linnet_jax")
     expected = native["decode_median_tok_s"] * decode["bytes_per_token"] / (decode["read_bandwidth_gb_s"] * 1e9)
     assert native["roofline_share"] == pytest.approx(expected)
+    kernels = "through linnet's matrix-vector kernels" if matvec.available() else "linnet's kernels are unavailable"
+    assert kernels in native["setup"]  # a run where the plan fell back to XLA's products says so
     assert "## Protocol" in readme and "### Serving (`serve.py`)" in readme
 
 
