@@ -63,9 +63,15 @@ def runs_on(built: str | None, running: str) -> bool:
 @functools.cache
 def available() -> bool:
     """Whether the kernels are built (against this jaxlib or an older one) and this CPU can run them; registers
-    nothing (`register`). Kernels built against a newer jaxlib are refused, with one warning."""
+    nothing (`register`). Kernels that were not built, or built against a newer jaxlib, are refused with one
+    warning saying how to build them: without them batch-1 decode runs XLA's products, ~25% slower here."""
     path = library_path()
-    if path is None or not cpu_has_vector_units():
+    if path is None:
+        warnings.warn("linnet_jax's CPU kernels are not built (no ops/_cpu_kernels library: the install found no C++ "
+                      "compiler), so batch-1 decode runs XLA's products, about 25% slower. Install g++ and run "
+                      "`pip install -e .` (or reinstall linnet_jax) to build them.", stacklevel=2)
+        return False
+    if not cpu_has_vector_units():
         return False
     built, running = built_against(ctypes.cdll.LoadLibrary(str(path))), version("jaxlib")
     if not runs_on(built, running):

@@ -57,6 +57,15 @@ def test_kernels_built_against_a_newer_jaxlib_are_left_unregistered(monkeypatch)
     assert not plan.matvec_kernels and plan.einsum is jnp.einsum
 
 
+def test_kernels_that_were_not_built_are_named_in_one_warning(monkeypatch):
+    """An install without a C++ compiler has no kernels (setup.py builds them as an optional extension): the
+    plan falls back to XLA's products, and says so once, with how to build them."""
+    monkeypatch.setattr(matvec, "library_path", lambda: None)
+    with pytest.warns(UserWarning, match=r"kernels are not built .* Install g\+\+ and run `pip install -e \.`") as warned:
+        refused = matvec.available.__wrapped__()
+    assert not refused and len(warned) == 1
+
+
 def test_kernels_run_on_their_own_jaxlib_and_newer_ones():
     assert matvec.runs_on("0.10.2", "0.10.2") and matvec.runs_on("0.10.2", "0.12.0.1")
     assert matvec.runs_on("0.10.2", "0.11.0.dev20260101")
