@@ -156,8 +156,7 @@ class LinnetJax(System):
         plan = self.model.plan
         if plan.matvec_kernels:
             return f"batch-1 products through linnet's matrix-vector kernels ({plan})"
-        why = ("not built" if matvec.library_path() is None else "this CPU lacks AVX2/FMA"
-               if not matvec.cpu_has_vector_units() else "built against another jaxlib")
+        why = matvec.unavailable_reason() or "the plan takes them on one CPU device only"
         return f"batch-1 products are XLA's: linnet's kernels are unavailable here ({why}; {plan})"
 
 

@@ -60,26 +60,33 @@ def runs_on(built: str | None, running: str) -> bool:
     return built is not None and release(built) <= release(running)
 
 
+NO_VECTOR_UNITS = "this CPU lacks AVX2 and FMA, which linnet_jax's CPU kernels need"
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot run here, as a sentence (with how to build them where a build would help), or None."""
+    path = library_path()
+    if path is None:
+        return ("linnet_jax's CPU kernels are not built (no ops/_cpu_kernels library: the install found no C++ "
+                "compiler). Install g++ and run `pip install -e .` (or reinstall linnet_jax) to build them")
+    if not cpu_has_vector_units():
+        return NO_VECTOR_UNITS
+    built, running = built_against(ctypes.cdll.LoadLibrary(str(path))), version("jaxlib")
+    if not runs_on(built, running):
+        return (f"linnet_jax's CPU kernels were built against jaxlib {built or '(unrecorded)'}, which the running "
+                f"jaxlib {running} cannot take. `pip install -e .` rebuilds them")
+    return None
+
+
 @functools.cache
 def available() -> bool:
     """Whether the kernels are built (against this jaxlib or an older one) and this CPU can run them; registers
     nothing (`register`). Kernels that were not built, or built against a newer jaxlib, are refused with one
     warning saying how to build them: without them batch-1 decode runs XLA's products, ~25% slower here."""
-    path = library_path()
-    if path is None:
-        warnings.warn("linnet_jax's CPU kernels are not built (no ops/_cpu_kernels library: the install found no C++ "
-                      "compiler), so batch-1 decode runs XLA's products, about 25% slower. Install g++ and run "
-                      "`pip install -e .` (or reinstall linnet_jax) to build them.", stacklevel=2)
-        return False
-    if not cpu_has_vector_units():
-        return False
-    built, running = built_against(ctypes.cdll.LoadLibrary(str(path))), version("jaxlib")
-    if not runs_on(built, running):
-        warnings.warn(f"linnet_jax's CPU kernels were built against jaxlib {built or '(unrecorded)'}, which the running "
-                      f"jaxlib {running} cannot take; using XLA's products. `pip install -e .` rebuilds them.",
-                      stacklevel=2)
-        return False
-    return True
+    reason = unavailable_reason()
+    if reason not in (None, NO_VECTOR_UNITS):  # a CPU without the units: nothing to build, nothing to say
+        warnings.warn(f"{reason}; batch-1 decode runs XLA's products, about 25% slower.", stacklevel=2)
+    return reason is None
 
 
 @functools.cache
