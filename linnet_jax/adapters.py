@@ -163,7 +163,7 @@ def host_table(config: Config, adapters: list[Lora | None], rank: int, fields: t
 
 def placed(model: Model, table: LoraTable) -> LoraTable:
     """A host table on the model's device, or replicated on its mesh."""
-    return jax.device_put(table, model.params.embed.sharding if model.layout is None else model.layout.replicated())
+    return jax.device_put(table, model.params.sharding if model.layout is None else model.layout.replicated())
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

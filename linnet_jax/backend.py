@@ -60,7 +60,7 @@ def plan_for_platform(platform: str, devices: int = 1) -> Plan:
 
 def plan_for(params: Params) -> Plan:
     """The plan for the devices the params lie on."""
-    devices = params.embed.devices()
+    devices = params.final_norm.devices()
     return plan_for_platform(next(iter(devices)).platform, len(devices))
 
 

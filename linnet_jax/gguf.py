@@ -37,6 +37,8 @@ import gguf
 import numpy as np
 from tqdm import tqdm  # the text bar: tqdm.auto needs ipywidgets in notebooks
 
+from linnet_jax.models.params import Int8Blocks
+
 __all__ = ["read_gguf", "open_gguf", "write_gguf", "ARCHITECTURES", "READABLE_TYPES", "WRITABLE_TYPES"]
 
 # GGUF `general.architecture` -> transformers model class.
@@ -222,6 +224,28 @@ class GGUFTensors(Mapping):
         if (heads := _rope_heads(hf_name, self._hf_config)) is not None:
             w = _split_rope_rows(w, heads)
         return np.array(w, dtype=np.float32)
+
+    def q8_0(self, hf_name: str) -> Int8Blocks:
+        """A Q8_0 tensor's blocks as stored (fresh arrays): int8 values in transformers' shape and a float32 scale
+        (the file's float16) for each block of 32 along the last axis."""
+        tensor, shape = self._tensors[hf_name], self._shapes[hf_name]
+        if tensor.tensor_type != _Q.Q8_0:
+            raise ValueError(f"tensor {hf_name!r} is {tensor.tensor_type.name}, not Q8_0")
+        block, size = gguf.GGML_QUANT_SIZES[_Q.Q8_0]
+        raw = np.asarray(tensor.data).reshape(-1, size)  # each block: a float16 scale, then its int8 values
+        scales = raw[:, :2].copy().view(np.float16).astype(np.float32).reshape(*shape[:-1], shape[-1] // block)
+        values = raw[:, 2:].copy().view(np.int8).reshape(shape)
+        if (heads := _rope_heads(hf_name, self._hf_config)) is not None:
+            values, scales = _split_rope_rows(values, heads), _split_rope_rows(scales, heads)
+        return Int8Blocks(values, scales)
+
+    def q8_0_fields(self) -> set[str]:
+        """The transformers names (a layer's index as N) whose every tensor is Q8_0: what quantize reads as stored."""
+        fields: dict[str, bool] = {}
+        for name, tensor in self._tensors.items():
+            field = re.sub(r"^model\.layers\.\d+\.", "model.layers.N.", name)
+            fields[field] = fields.get(field, True) and tensor.tensor_type == _Q.Q8_0
+        return {field for field, q8_0 in fields.items() if q8_0}
 
     def __iter__(self):
         return iter(self._tensors)

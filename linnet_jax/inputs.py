@@ -49,9 +49,9 @@ def buckets(limit: int) -> list[int]:
 
 def new_slots(model: Model, batch: int, max_len: int) -> Slots:
     """An empty decode state for the model: on its device, or on its mesh (the cache by the layout's rules)."""
-    args = (model.config, batch, max_len, STOP_ID_SLOTS, model.params.embed.dtype)
+    args = (model.config, batch, max_len, STOP_ID_SLOTS, model.params.dtype)
     if model.layout is None:  # committed to the weights' device, as every state `extend` returns is: one program
-        return jax.device_put(empty_slots(*args), model.params.embed.sharding)
+        return jax.device_put(empty_slots(*args), model.params.sharding)
     shapes = jax.eval_shape(lambda: empty_slots(*args))
     shardings = jax.tree.map(lambda _: model.layout.replicated(), shapes)
     shardings = shardings.replace(cache=model.layout.cache_shardings(model.config, batch, max_len))

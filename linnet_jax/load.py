@@ -16,7 +16,7 @@ from linnet_jax.files import INDEX_FILE, finite, read_config, read_json
 from linnet_jax.loaded import Model
 from linnet_jax.models import Config, params_from_hf
 from linnet_jax.models.config import DTYPES
-from linnet_jax.models.params import Params, declared, hf_tensor_names
+from linnet_jax.models.params import Int8Blocks, Params, declared, hf_tensor_names
 from linnet_jax.sharding import Layout, placement
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -27,8 +27,11 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def load(source=None, *, dtype=None, revision=None, cache_dir=None, token=None, progress: bool = True,
-         mesh=None, rules=None) -> Model:
+QUANTIZE = ("int8",)  # load(..., quantize=)
+
+
+def load(source=None, *, dtype=None, quantize: str | None = None, revision=None, cache_dir=None, token=None,
+         progress: bool = True, mesh=None, rules=None) -> Model:
     """Load a Llama-family model.
 
     source: a local Hugging Face directory (config.json + safetensors, single or sharded), a directory
@@ -36,23 +39,31 @@ def load(source=None, *, dtype=None, revision=None, cache_dir=None, token=None, 
     ("org/name", resolved through huggingface_hub and its cache, so HF_HUB_OFFLINE=1 works from a
     local cache), a `.gguf` file, or None / "smollm2-135m-instruct" for the embedded default.
     dtype: None keeps the checkpoint's dtype (float32 for dequantized GGUF); "float32",
-    "bfloat16" or "float16" converts. revision, cache_dir, token: passed to huggingface_hub.
+    "bfloat16" or "float16" converts (the compute dtype, under quantize). revision, cache_dir, token: passed to
+    huggingface_hub.
+    quantize: "int8" keeps the products' weights (projections, embedding, lm head) as int8 values with scales
+    (`qwix.QArray`s; norms, biases, attention and the cache stay in the compute dtype), a tensor at a time, so no
+    float copy of the whole model exists while loading: per output channel from float weights, and a GGUF's Q8_0
+    tensors as they are stored (their blocks of 32, bit-exact). None: every weight in dtype.
     mesh: a jax.sharding.Mesh (`linnet_jax.sharding.mesh` or `jax.make_mesh`, axes named from data,
     fsdp, tensor) to place the weights on, each device receiving only its shard; rules: a preset
     name ("single", "dp", "fsdp", "tp", "fsdp_tp"), a rules table, or None for every rule the
     mesh's axes allow (see linnet_jax.sharding).
     """
     target = _dtype(dtype)
+    if quantize not in (None, *QUANTIZE):
+        raise ValueError(f"quantize must be None or one of {QUANTIZE}, got {quantize!r}")
     if rules is not None and mesh is None:
         raise ValueError("rules need a mesh: load(source, mesh=linnet_jax.sharding.mesh(...), rules=...)")
     layout = None if mesh is None else Layout.of(mesh, rules)
     path = resolve(source, revision=revision, cache_dir=cache_dir, token=token)
     if path.is_dir():
         if is_checkpoint(path):
-            return load_checkpoint(path, target, layout)
-        return _load_hf_dir(path, target, progress, layout)
+            model = load_checkpoint(path, target, layout)
+            return model if quantize is None else model.quantized()
+        return _load_hf_dir(path, target, progress, layout, quantize)
     if path.suffix == ".gguf":
-        return _load_gguf(path, target, progress, layout)
+        return _load_gguf(path, target, progress, layout, quantize)
     if path.suffix in PICKLE_SUFFIXES:
         raise ValueError(f"{path}: pickle checkpoints are refused (loading one can run arbitrary code); "
                          "convert it to safetensors or GGUF")
@@ -131,27 +142,35 @@ def untied_if_distinct(config: Config, read, names, source: Path) -> Config:
 
 
 def _build(config: Config, read, dtype: str | None, progress: bool, source: Path, tokenizer,
-           layout: Layout | None) -> Model:
-    """Params from transformers-named tensors, each checked finite, cast to dtype and placed, with a progress bar."""
+           layout: Layout | None, quantize: str | None) -> Model:
+    """Params from transformers-named tensors, each checked finite, cast to dtype (or quantized) and placed, with a
+    progress bar."""
     names = hf_tensor_names(config)
+
+    def checked(name: str):
+        tensor = read(name)
+        finite(name, tensor.scales if isinstance(tensor, Int8Blocks) else tensor, source)
+        return tensor
+
     with tqdm(total=len(names), desc=f"loading {source.name}", unit="tensor", disable=not progress) as bar:
-        params = params_from_hf(lambda name: finite(name, read(name), source), config,
-                                placement(config, dtype, layout), lambda name: bar.update())
-    config = dataclasses.replace(config, dtype=params.embed.dtype.name)
+        params = params_from_hf(checked, config, placement(config, dtype, layout, quantize is not None),
+                                lambda name: bar.update())
+    config = dataclasses.replace(config, dtype=params.dtype.name)
     return Model(config=config, params=params, tokenizer=tokenizer, layout=layout)
 
 
-def _load_hf_dir(directory: Path, dtype: str | None, progress: bool, layout: Layout | None) -> Model:
+def _load_hf_dir(directory: Path, dtype: str | None, progress: bool, layout: Layout | None, quantize: str | None
+                 ) -> Model:
     from linnet_jax.tokenizer import Tokenizer
 
     config = read_config(directory / "config.json")
     reader = SafetensorsReader(directory)
     check_layers(reader.files, config.num_layers, directory, "num_hidden_layers")
     config = untied_if_distinct(config, reader, reader.files, directory)
-    return _build(config, reader, dtype, progress, directory, Tokenizer.from_hf_dir(directory), layout)
+    return _build(config, reader, dtype, progress, directory, Tokenizer.from_hf_dir(directory), layout, quantize)
 
 
-def _load_gguf(path: Path, dtype: str | None, progress: bool, layout: Layout | None) -> Model:
+def _load_gguf(path: Path, dtype: str | None, progress: bool, layout: Layout | None, quantize: str | None) -> Model:
     from linnet_jax.gguf import open_gguf
     from linnet_jax.tokenizer import Tokenizer
 
@@ -162,12 +181,14 @@ def _load_gguf(path: Path, dtype: str | None, progress: bool, layout: Layout | N
         raise ValueError(f"{path}: {error}") from error
     check_layers(state, config.num_layers, path, f"{metadata['general.architecture']}.block_count")
 
-    def read(name: str) -> np.ndarray:
+    blocks = state.q8_0_fields() if quantize else set()
+
+    def read(name: str) -> np.ndarray | Int8Blocks:
         if name not in state:
             raise ValueError(f"{path}: tensor {name!r} (in GGUF naming, its llama.cpp equivalent) is missing")
-        return state[name]
+        return state.q8_0(name) if LAYER_TENSOR.sub("model.layers.N.", name) in blocks else state[name]
 
-    return _build(config, read, dtype, progress, path, Tokenizer.from_gguf_metadata(metadata), layout)
+    return _build(config, read, dtype, progress, path, Tokenizer.from_gguf_metadata(metadata), layout, quantize)
 
 
 class SafetensorsReader:

@@ -10,7 +10,9 @@ import numpy as np
 
 from linnet_jax.backend import Plan, decode_params, plan_for
 from linnet_jax.models import Config, Params, forward
-from linnet_jax.sharding import put
+from linnet_jax.models.params import (dequantize_params, flatten_params, is_quantized, quantize_params,
+                                      unflatten_params)
+from linnet_jax.sharding import placed_like, put
 
 if TYPE_CHECKING:
     from linnet_jax.sharding import Layout
@@ -38,12 +40,35 @@ class Model:
         per-layer views of the weights on the CPU, the stacked weights themselves elsewhere. Made once."""
         return decode_params(self.params, self.plan)
 
+    @property
+    def quantization(self) -> str | None:
+        """"int8" when the products' weights are int8 (`load(..., quantize="int8")`, `quantized`), else None."""
+        return "int8" if is_quantized(self.params) else None
+
+    def quantized(self) -> "Model":
+        """The same model with the products' weights as int8 values and per-output-channel scales
+        (`models.params.quantize_params`), placed as the float ones were; itself when already quantized."""
+        if self.quantization:
+            return self
+        params = quantize_params(self.params)
+        if self.layout is not None:
+            shardings = self.layout.param_shardings(self.config)
+            params = unflatten_params({name: placed_like(weight, shardings[name])
+                                       for name, weight in flatten_params(params).items()})
+        return dataclasses.replace(self, params=params)
+
+    def dequantized(self) -> "Model":
+        """The float model a quantized one stands for (itself when not quantized): what exports write."""
+        return dataclasses.replace(self, params=dequantize_params(self.params)) if self.quantization else self
+
     def __repr__(self) -> str:
         c = self.config
         placed = "" if self.layout is None else f", mesh={dict(self.layout.mesh.shape)}"
+        quantized = f", weights={self.quantization}" if self.quantization else ""
         return (
             f"Model({c.architecture}, layers={c.num_layers}, heads={c.num_heads}/{c.num_kv_heads} kv, "
-            f"hidden={c.hidden_size}, vocab={c.vocab_size}, params={_human(c.num_params())}, dtype={c.dtype}{placed})"
+            f"hidden={c.hidden_size}, vocab={c.vocab_size}, params={_human(c.num_params())}, dtype={c.dtype}"
+            f"{quantized}{placed})"
         )
 
 

@@ -51,7 +51,7 @@ def lowered(model: Model, platform: str, *, batch: int = 1, max_len: int = 1024)
         raise ValueError(f"max_len must be an int in [{MIN_BUCKET}, {context}] (the model's context), got {max_len!r}")
     config, plan, platforms = model.config, plan_for_platform(platform), (platform,)
     params = shapes(decode_params(model.params, plan))
-    dtype = model.params.embed.dtype
+    dtype = model.params.dtype
     request = shapes(make_requests(make_sampling(1, 0.0, 0, 1.0, 0.0, 1.0, 0), np.full(STOP_ID_SLOTS, -1, np.int32), 1))
     slots = jax.eval_shape(lambda: empty_slots(config, batch, max_len, STOP_ID_SLOTS, dtype))
     slot = jax.ShapeDtypeStruct((), jnp.int32)

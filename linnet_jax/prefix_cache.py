@@ -107,7 +107,7 @@ class PrefixCache:
     """
 
     def __init__(self, model, max_len: int, block: int = 64, gib: float = 1.0, most: int | None = None):
-        config, dtype = model.config, model.params.embed.dtype
+        config, dtype = model.config, model.params.dtype
         self.block, self.heads = int(block), config.num_kv_heads
         self.row_blocks = max_len // self.block  # blocks a state row holds
         capacity = int(gib * GIB // block_bytes(config, self.block, dtype))
@@ -118,9 +118,9 @@ class PrefixCache:
         self.hit_tokens = self.lookup_tokens = 0
 
     def _empty_pool(self, model) -> KVCache:
-        args = (model.config, self.capacity, self.block, model.params.embed.dtype)
+        args = (model.config, self.capacity, self.block, model.params.dtype)
         if model.layout is None:
-            return jax.device_put(init_cache(*args), model.params.embed.sharding)
+            return jax.device_put(init_cache(*args), model.params.sharding)
         shardings = model.layout.cache_shardings(model.config, self.capacity, self.block)
         return jax.jit(init_cache, static_argnums=range(4), out_shardings=shardings)(*args)
 

@@ -34,11 +34,13 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
+import qwix
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from linnet_jax.models import Config, KVCache
-from linnet_jax.models.params import flatten_params, param_axes, param_shapes, unflatten_params
+from linnet_jax.models.params import (Int8Blocks, contracted_axes, flatten_params, param_axes, param_shapes,
+                                      quantize_weight, unflatten_params)
 
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "batch", "seq", "cache_seq")
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -223,13 +225,49 @@ def put(array, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
-def placement(config: Config, dtype: str | None, layout: "Layout | None"):
-    """convert(flat name, numpy array) -> device array: cast to dtype (None: as stored), on one device or,
-    with a layout, straight onto its mesh, each device receiving its own shard."""
-    if layout is None:  # may_alias: XLA:CPU adopts an aligned host array (models.params.aligned_empty) uncopied
-        return lambda name, array: jax.device_put(np.asarray(array, dtype=dtype or array.dtype), may_alias=True)
-    shardings = layout.param_shardings(config)
-    return lambda name, array: put(np.asarray(array, dtype=dtype or array.dtype), shardings[name])
+def placement(config: Config, dtype: str | None, layout: "Layout | None", quantize: bool = False):
+    """convert(flat name, numpy array or Int8Blocks) -> device array, or quantized weight (qwix.QArray): cast to
+    dtype (None: as stored; int8 values stay int8), on one device or, with a layout, straight onto its mesh, each
+    device receiving its own shard. quantize: the products' weights quantized per output channel
+    (`models.params.quantize_weight`); Int8Blocks (a file's Q8_0 blocks) are taken as they are."""
+    shardings = None if layout is None else layout.param_shardings(config)
+
+    def on_device(array: np.ndarray, sharding: NamedSharding | None) -> jax.Array:
+        if sharding is None:  # may_alias: XLA:CPU adopts an aligned host array (models.params.aligned_empty) uncopied
+            return jax.device_put(array, may_alias=True)
+        return put(array, sharding)
+
+    def convert(name: str, array):
+        sharding = shardings and shardings[name]
+        if isinstance(array, Int8Blocks):
+            scales = on_device(array.scales.astype(dtype or np.float32),
+                               sharding and scale_sharding(sharding, array.shape, array.scales.shape))
+            return qwix.QArray(qvalue=on_device(array.values, sharding), scale=scales, qtype=np.int8)
+        placed = on_device(np.asarray(array, dtype=dtype or array.dtype), sharding)
+        axes = contracted_axes(name) if quantize else None
+        return placed if axes is None else placed_like(quantize_weight(placed, axes), sharding)
+
+    return convert
+
+
+def scale_sharding(sharding: NamedSharding, weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]
+                   ) -> NamedSharding:
+    """A quantized weight's scales' sharding: its values' on the axes the scales share with them, replicated on the
+    others (axes of one scale, or of blocks)."""
+    spec = (*sharding.spec, *(None,) * (len(weight_shape) - len(sharding.spec)))
+    return NamedSharding(sharding.mesh, PartitionSpec(*(axis if size == scales else None
+                                                        for axis, size, scales in zip(spec, weight_shape, scale_shape))))
+
+
+def placed_like(array, sharding: NamedSharding | None):
+    """A device array, or a quantized weight (values by `sharding`, scales by `scale_sharding`), on `sharding` (None:
+    where it is)."""
+    if sharding is None:
+        return array
+    if isinstance(array, qwix.QArray):
+        return array.replace(qvalue=jax.device_put(array.qvalue, sharding),
+                             scale=jax.device_put(array.scale, scale_sharding(sharding, array.shape, array.scale.shape)))
+    return jax.device_put(array, sharding)
 
 
 def host(array: jax.Array) -> np.ndarray:
@@ -261,7 +299,7 @@ def shard(model, mesh: Mesh, rules=None):
     every rule the mesh's axis names allow); generate and logits then run sharded."""
     layout = Layout.of(mesh, rules)
     shardings = layout.param_shardings(model.config)
-    params = unflatten_params({name: jax.device_put(array, shardings[name])
+    params = unflatten_params({name: placed_like(array, shardings[name])
                                for name, array in flatten_params(model.params).items()})
     return dataclasses.replace(model, params=params, layout=layout)
 
@@ -271,7 +309,8 @@ def describe(model) -> str:
     axes = param_axes(model.config)
     rows = [("weight", "logical axes", "mesh axes", "per-device shape", "bytes/device")]
     per_device = total = 0
-    for name, array in flatten_params(model.params).items():
+    for name, weight in flatten_params(model.params).items():
+        array = weight.qvalue if isinstance(weight, qwix.QArray) else weight  # a quantized one: its int8 values
         spec = getattr(array.sharding, "spec", PartitionSpec())
         shard_shape = array.sharding.shard_shape(array.shape)
         shard_bytes = math.prod(shard_shape) * array.dtype.itemsize
@@ -280,7 +319,7 @@ def describe(model) -> str:
         mesh_axes = [spec[i] if i < len(spec) else None for i in range(array.ndim)]
         rows.append((name, ", ".join(axes[name]), ", ".join(_mesh_axes_text(m) for m in mesh_axes),
                      "×".join(map(str, shard_shape)), _bytes(shard_bytes)))
-    devices = len(model.params.embed.sharding.device_set)
+    devices = len(model.params.sharding.device_set)
     mesh_text = (", ".join(f"{n}={s}" for n, s in model.layout.mesh.shape.items()) if model.layout else "one device")
     rules_text = f"rules {_rules_text(model.layout.rules)}" if model.layout else "unsharded"
     widths = [max(len(row[i]) for row in rows) for i in range(5)]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from linnet_jax.models.config import Config
 from linnet_jax.models.lora import Lora, LoraTable
 from linnet_jax.models.params import LayerParams, Params
-from linnet_jax.ops import apply_rope, attention, inverse_frequencies, rms_norm, swiglu
+from linnet_jax.ops import apply_rope, attention, inverse_frequencies, quantized, rms_norm, swiglu
 
 
 @flax.struct.dataclass
@@ -160,15 +160,16 @@ def forward(
     rows, so attention never crosses documents; remat, recompute each layer's activations in the backward
     pass (`jax.checkpoint`).
     plan: the hardware plan (`linnet_jax.backend.Plan`, hashable: static under jit); its einsum is what the
-    products run through (`ops.matvec.einsum` for decode on XLA:CPU). None: jnp.einsum.
+    products run through (`ops.matvec.einsum` for decode on XLA:CPU). None: `ops.quantized.einsum`.
+    The embedding, the head and the projections may be quantized (`models.params.quantize_params`).
     Returns (float32 logits [B, T, V] or [B, 1, V], cache).
     """
     if cache is not None and (segment_ids is not None or remat):
         raise ValueError("segment_ids and remat are for the full forward: pass cache=None")
     constrain = constrain or (lambda array, axes: array)
     activation = ("batch", "seq", "embed")  # the logical axes of x
-    x = constrain(jnp.take(params.embed, tokens, axis=0), activation)
-    einsum = jnp.einsum if plan is None else plan.einsum
+    x = constrain(quantized.take_rows(params.embed, tokens), activation)
+    einsum = quantized.einsum if plan is None else plan.einsum
     layer_fn = functools.partial(decoder_layer, einsum=einsum)
     if cache is not None or isinstance(params.layers, tuple) or not (lora is None or lora.layer_major):
         layer_fn = jax.checkpoint(layer_fn, static_argnums=(2, 4, 5)) if remat else layer_fn  # unrolled: static ints

@@ -7,6 +7,11 @@ Logical axes (which sharding rules map to mesh axes, `param_axes`) and their siz
 embed D, layers L, heads H, kv_heads G, head_dim K, mlp F. Projections are stored input-first
 ([D, H, K], [D, F], ...), so every einsum contracts the leading axis; transformers stores them
 [out, in].
+
+`quantize_params` (and `load(..., quantize="int8")`, a tensor at a time) keeps the products' weights (the
+projections, the embedding and the lm head) as int8 values with float scales, `qwix.QArray`s: one scale per
+output channel, or per output and block of inputs, as GGUF's Q8_0 stores them (`Int8Blocks`, read as they are).
+The norms and biases stay in the compute dtype (`Params.dtype`).
 """
 
 import dataclasses
@@ -15,7 +20,9 @@ from collections.abc import Callable, Mapping
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
+import qwix
 
 from linnet_jax.models.config import Config
 
@@ -60,6 +67,16 @@ class Params:
     layers: LayerParams = None
     final_norm: jax.Array = weight(("embed",), "model.norm.weight")
     lm_head: jax.Array | None = weight(("vocab", "embed"), "lm_head.weight", when="untied")
+
+    @property
+    def dtype(self):
+        """The compute dtype (quantized weights dequantize to it): the final norm's."""
+        return self.final_norm.dtype
+
+    @property
+    def sharding(self):
+        """Where the weights lie: the final norm's sharding (every device the params span)."""
+        return self.final_norm.sharding
 
 
 def declared(tree: type) -> dict[str, dict]:
@@ -109,6 +126,63 @@ def hf_tensor_names(config: Config) -> list[str]:
                   for field in layer_shapes(config)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Int8Blocks:
+    """A tensor stored quantized (GGUF's Q8_0): int8 values [..., n] and float32 scales [..., n / block], one for
+    each block of contiguous values along the last axis (a transformers tensor's input axis)."""
+
+    values: np.ndarray
+    scales: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def block(self) -> int:
+        return self.values.shape[-1] // self.scales.shape[-1]
+
+    def dequantized(self) -> np.ndarray:
+        """The float32 tensor the blocks stand for."""
+        blocks = self.values.reshape(*self.scales.shape, self.block)
+        return (blocks * self.scales[..., None].astype(np.float32)).reshape(self.values.shape)
+
+
+def contracted_axes(name: str) -> tuple[int, ...] | None:
+    """The axes a weight's products contract, by stacked flat name: a layer projection's input axes (after the layer
+    axis), the embedding's and lm head's embed axis (the head's product); None for a vector (norms, biases)."""
+    if name in ("embed", "lm_head"):
+        return (1,)
+    inputs = declared(LayerParams)[name.removeprefix("layers.")]["inputs"] if name.startswith("layers.") else None
+    return None if inputs is None else tuple(range(1, 1 + inputs))
+
+
+def quantize_weight(weight: jax.Array, contracted: tuple[int, ...], block: int | None = None) -> qwix.QArray:
+    """weight as int8 values and scales (qwix, absmax): one scale per output channel (block None), or per output
+    and block of `block` contiguous inputs (each input axis but the last per index, the last in blocks)."""
+    channels = tuple(axis for axis in range(weight.ndim) if axis not in contracted)
+    tiles = None if block is None else {**{axis: 1 for axis in contracted[:-1]}, contracted[-1]: block}
+    return qwix.quantize(weight, jnp.int8, channelwise_axes=channels, tiled_axes=tiles)
+
+
+def quantize_params(params: Params, block: int | None = None) -> Params:
+    """The same model with the products' weights (projections, embedding, lm head) quantized (`quantize_weight`);
+    stacked params only."""
+    return unflatten_params({name: array if (axes := contracted_axes(name)) is None or isinstance(array, qwix.QArray)
+                             else quantize_weight(array, axes, block)
+                             for name, array in flatten_params(params).items()})
+
+
+def dequantize_params(params: Params) -> Params:
+    """The float model quantized params stand for (float params unchanged)."""
+    return jax.tree.map(lambda leaf: qwix.dequantize(leaf) if isinstance(leaf, qwix.QArray) else leaf, params,
+                        is_leaf=lambda leaf: isinstance(leaf, qwix.QArray))
+
+
+def is_quantized(params: Params) -> bool:
+    return any(isinstance(leaf, qwix.QArray) for leaf in flatten_params(params).values())
+
+
 def checked(name: str, tensor: np.ndarray, expected: tuple[int, ...]) -> np.ndarray:
     """The tensor, or a ValueError naming it when its shape is not the expected one."""
     if tuple(tensor.shape) != tuple(expected):
@@ -116,8 +190,17 @@ def checked(name: str, tensor: np.ndarray, expected: tuple[int, ...]) -> np.ndar
     return tensor
 
 
-def from_hf_layer_tensor(name: str, tensor: np.ndarray, shape: tuple[int, ...], input_axes: int | None) -> np.ndarray:
-    """One layer's transformers tensor ([out, in] for projections, flat for vectors) in our layout and shape."""
+def from_hf_layer_tensor(name: str, tensor: np.ndarray | Int8Blocks, shape: tuple[int, ...], input_axes: int | None
+                         ) -> np.ndarray | Int8Blocks:
+    """One layer's transformers tensor ([out, in] for projections, flat for vectors) in our layout and shape. Int8Blocks
+    keep their blocks when they lie along our last input axis (else they come dequantized, float32)."""
+    if isinstance(tensor, Int8Blocks):
+        block, last = tensor.block, input_axes - 1
+        if shape[last] % block:
+            return from_hf_layer_tensor(name, tensor.dequantized(), shape, input_axes)
+        block_shape = (*shape[:last], shape[last] // block, *shape[input_axes:])
+        return Int8Blocks(from_hf_layer_tensor(name, tensor.values, shape, input_axes),
+                          from_hf_layer_tensor(f"{name} (scales)", tensor.scales, block_shape, input_axes))
     if input_axes is None:
         return checked(name, tensor, (math.prod(shape),)).reshape(shape)
     hf_shape = (math.prod(shape[input_axes:]), math.prod(shape[:input_axes]))
@@ -140,15 +223,16 @@ def params_from_hf(
 ) -> Params:
     """Build Params from transformers-named tensors.
 
-    read(name) returns one tensor (raising a clear error when absent); convert(our flat name,
-    array) turns each of our stacked numpy arrays into a device array (dtype cast, placement);
+    read(name) returns one tensor, an array or `Int8Blocks` (raising a clear error when absent); convert(our flat
+    name, array or Int8Blocks) turns each of our stacked tensors into a device array (dtype cast, placement) or a
+    quantized one;
     on_tensor reports progress. Each of our arrays is filled in place in a fresh aligned host buffer
     (`aligned_empty`), one transformers tensor at a time, so that XLA:CPU can adopt it uncopied.
     """
     shapes = flatten_params(param_shapes(config))
     top, layers = declared(Params), declared(LayerParams)
 
-    def tensor(name: str) -> np.ndarray:
+    def tensor(name: str) -> np.ndarray | Int8Blocks:
         if not name.startswith("layers."):
             on_tensor(top[name]["hf_name"])
             return host_copy(checked(top[name]["hf_name"], read(top[name]["hf_name"]), shapes[name]))
@@ -158,11 +242,29 @@ def params_from_hf(
             hf_name = f"model.layers.{i}.{field['hf_name']}"
             on_tensor(hf_name)
             layer = from_hf_layer_tensor(hf_name, read(hf_name), shapes[name][1:], field["inputs"])
-            stacked = aligned_empty(shapes[name], layer.dtype) if stacked is None else stacked
-            stacked[i] = layer
+            stacked = stacked_like(layer, config.num_layers) if stacked is None else stacked
+            put_layer(stacked, i, layer)
         return stacked
 
     return unflatten_params({name: convert(name, tensor(name)) for name in shapes})
+
+
+def stacked_like(layer: np.ndarray | Int8Blocks, layers: int) -> np.ndarray | Int8Blocks:
+    """Empty aligned host buffers (`aligned_empty`) for `layers` layers of a tensor like `layer`."""
+    if isinstance(layer, Int8Blocks):
+        return Int8Blocks(stacked_like(layer.values, layers), stacked_like(layer.scales, layers))
+    return aligned_empty((layers, *layer.shape), layer.dtype)
+
+
+def put_layer(stacked: np.ndarray | Int8Blocks, index: int, layer: np.ndarray | Int8Blocks) -> None:
+    """stacked[index] = layer, in place (values and scales alike; a layer that came dequantized dequantizes them
+    all: a GGUF may mix quantization types across layers)."""
+    if isinstance(stacked, Int8Blocks):
+        if not isinstance(layer, Int8Blocks):
+            raise ValueError("a stacked tensor mixes Q8_0 layers with other types; load it without quantize")
+        stacked.values[index], stacked.scales[index] = layer.values, layer.scales
+    else:
+        stacked[index] = layer.dequantized() if isinstance(layer, Int8Blocks) else layer
 
 
 def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -175,8 +277,10 @@ def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     return raw[start:start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
 
 
-def host_copy(array: np.ndarray) -> np.ndarray:
-    """`array` copied into an `aligned_empty` buffer."""
+def host_copy(array: np.ndarray | Int8Blocks) -> np.ndarray | Int8Blocks:
+    """`array` copied into an `aligned_empty` buffer (Int8Blocks: each part)."""
+    if isinstance(array, Int8Blocks):
+        return Int8Blocks(host_copy(array.values), host_copy(array.scales))
     copy = aligned_empty(array.shape, array.dtype)
     copy[...] = array
     return copy
@@ -209,7 +313,7 @@ def flatten_params(tree: Params | LayerParams, prefix: str = "") -> dict[str, ja
         if field.name == "layers" and isinstance(value, tuple):  # unstacked layers (a shape is a tuple too)
             for i, layer in enumerate(value):
                 flat |= flatten_params(layer, f"{prefix}{field.name}.{i}.")
-        elif dataclasses.is_dataclass(value):
+        elif isinstance(value, LayerParams):
             flat |= flatten_params(value, f"{prefix}{field.name}.")
         elif value is not None:
             flat[prefix + field.name] = value

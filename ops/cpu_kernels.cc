@@ -3,10 +3,13 @@
 // XLA:CPU runs a product under ~2 MB on one core, and the larger ones below the bandwidth two cores reach
 // (benchmarks/RESULTS.md). These split every product's weight rows across the calling thread and XLA's
 // intra-op pool, each thread streaming its own contiguous rows, as llama.cpp splits a product across its
-// threads. Float32 only; the compiler vectorizes the loops (AVX2 + FMA on x86-64, see setup.py).
+// threads. Float32 activations, float32 or int8 weights; the compiler vectorizes the loops (AVX2 + FMA on
+// x86-64, see setup.py).
 //
 //   linnet_xw: y[N] = x[K] · w[K, N]   (projections stored input-first)
 //   linnet_wx: y[N] = w[N, K] · x[K]   (the lm head, stored [vocab, embed])
+//   linnet_xw_int8: y[N] = x[K] · (q[K, N] scaled by s[K / G, N])   (weight-only int8: each output's inputs in
+//   linnet_wx_int8: y[N] = (q[N, K] scaled by s[N, K / G]) · x[K]    blocks of G = K / blocks, one scale a block)
 
 #include <algorithm>
 #include <atomic>
@@ -14,6 +17,10 @@
 #include <cstring>
 #include <memory>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -24,6 +31,7 @@ namespace {
 using Vector = ffi::Buffer<ffi::F32, 1>;
 using Matrix = ffi::Buffer<ffi::F32, 2>;
 using VectorResult = ffi::ResultBuffer<ffi::F32, 1>;
+using Int8Matrix = ffi::Buffer<ffi::S8, 2>;
 
 constexpr int64_t kMinRowsPerPart = 64;  // below this a part costs more to hand over than to run
 
@@ -55,6 +63,91 @@ void DotRows(const float* x, const float* w, float* y, int64_t k, int64_t r0, in
     for (float s : sums) total += s;
     y[r] = total;
   }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define LINNET_AVX2 1
+// Eight int8 values as floats.
+inline __m256 Int8x8(const int8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+
+inline float HorizontalSum(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_shuffle_ps(quarter, quarter, 1)));
+}
+#endif
+
+// sums[0:n] += x0 * q0[0:n] + x1 * q1[0:n] + x2 * q2[0:n] + x3 * q3[0:n], for four int8 rows.
+inline void AddInt8Rows(float* sums, const int8_t* q0, const int8_t* q1, const int8_t* q2, const int8_t* q3,
+                        float x0, float x1, float x2, float x3, int64_t n) {
+  int64_t j = 0;
+#ifdef LINNET_AVX2
+  const __m256 v0 = _mm256_set1_ps(x0), v1 = _mm256_set1_ps(x1), v2 = _mm256_set1_ps(x2), v3 = _mm256_set1_ps(x3);
+  for (; j + 8 <= n; j += 8) {
+    __m256 sum = _mm256_fmadd_ps(Int8x8(q0 + j), v0, _mm256_loadu_ps(sums + j));
+    sum = _mm256_fmadd_ps(Int8x8(q1 + j), v1, sum);
+    sum = _mm256_fmadd_ps(Int8x8(q2 + j), v2, sum);
+    _mm256_storeu_ps(sums + j, _mm256_fmadd_ps(Int8x8(q3 + j), v3, sum));
+  }
+#endif
+  for (; j < n; ++j) sums[j] += x0 * q0[j] + x1 * q1[j] + x2 * q2[j] + x3 * q3[j];
+}
+
+// y[0:n] = x[r0:r1] · q[r0:r1, 0:n] scaled: the rows of each block of `block` summed, then scaled by the block's
+// row of s and added, four weight rows per pass.
+void AccumulateInt8Rows(const float* x, const int8_t* q, const float* s, float* y, int64_t n, int64_t block,
+                        int64_t r0, int64_t r1) {
+  thread_local std::vector<float> block_sums;
+  block_sums.resize(n);
+  float* sums = block_sums.data();
+  std::memset(y, 0, n * sizeof(float));
+  for (int64_t r = r0; r < r1;) {
+    const int64_t b = r / block, end = std::min(r1, (b + 1) * block);
+    std::memset(sums, 0, n * sizeof(float));
+    for (; r + 4 <= end; r += 4) {
+      const int8_t* q0 = q + r * n;
+      AddInt8Rows(sums, q0, q0 + n, q0 + 2 * n, q0 + 3 * n, x[r], x[r + 1], x[r + 2], x[r + 3], n);
+    }
+    for (; r < end; ++r) AddInt8Rows(sums, q + r * n, q, q, q, x[r], 0, 0, 0, n);
+    const float* scale = s + b * n;
+    for (int64_t j = 0; j < n; ++j) y[j] += scale[j] * sums[j];
+  }
+}
+
+// q[0:k] · x[0:k], q's blocks of `block` values each scaled by its entry of s.
+inline float DotInt8Row(const int8_t* q, const float* s, const float* x, int64_t k, int64_t block) {
+#ifdef LINNET_AVX2
+  if (block % 32 == 0) {  // four independent chains of eight lanes through each block
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t start = 0; start < k; start += block) {
+      __m256 p0 = _mm256_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
+      for (int64_t j = start; j < start + block; j += 32) {
+        p0 = _mm256_fmadd_ps(Int8x8(q + j), _mm256_loadu_ps(x + j), p0);
+        p1 = _mm256_fmadd_ps(Int8x8(q + j + 8), _mm256_loadu_ps(x + j + 8), p1);
+        p2 = _mm256_fmadd_ps(Int8x8(q + j + 16), _mm256_loadu_ps(x + j + 16), p2);
+        p3 = _mm256_fmadd_ps(Int8x8(q + j + 24), _mm256_loadu_ps(x + j + 24), p3);
+      }
+      const __m256 part = _mm256_add_ps(_mm256_add_ps(p0, p1), _mm256_add_ps(p2, p3));
+      total = _mm256_fmadd_ps(part, _mm256_set1_ps(s[start / block]), total);
+    }
+    return HorizontalSum(total);
+  }
+#endif
+  float total = 0;
+  for (int64_t start = 0; start < k; start += block) {
+    float part = 0;
+    for (int64_t j = start; j < start + block; ++j) part += q[j] * x[j];
+    total += s[start / block] * part;
+  }
+  return total;
+}
+
+// y[r] = (q[r, 0:k] scaled by s[r, :]) · x for r in r0..r1.
+void DotInt8Rows(const float* x, const int8_t* q, const float* s, float* y, int64_t k, int64_t block, int64_t r0,
+                 int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) y[r] = DotInt8Row(q + r * k, s + r * (k / block), x, k, block);
 }
 
 // Runs part(i) for i in 0..parts-1 and returns when all are done. This thread and parts-1 pool tasks each
@@ -90,30 +183,60 @@ int64_t Parts(ffi::ThreadPool& pool, int64_t rows) {
   return std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), rows / kMinRowsPerPart));
 }
 
-ffi::Error Xw(ffi::ThreadPool pool, Vector x, Matrix w, VectorResult y) {
-  const int64_t k = w.dimensions()[0], n = w.dimensions()[1];
+// out[0:n] = the sum over the k input rows of accumulate(partial, r0, r1), each part of the rows accumulated into
+// its own partial by its own thread (part 0 into out).
+template <typename Accumulate>
+void SplitInputs(ffi::ThreadPool& pool, int64_t k, int64_t n, float* out, const Accumulate& accumulate) {
   const int64_t parts = Parts(pool, k);
   const int64_t step = (k + parts - 1) / parts;
-  thread_local std::vector<float> scratch;  // the caller's: parts 1.. accumulate here, then into y
+  thread_local std::vector<float> scratch;  // the caller's: parts 1.. accumulate here, then into out
   scratch.resize((parts - 1) * n);
-  float *out = y->typed_data(), *partials = scratch.data();
-  RunParts(pool, parts, [&](int64_t i) {  // part 0 into y, part i > 0 into partials
-    AccumulateRows(x.typed_data(), w.typed_data(), i == 0 ? out : partials + (i - 1) * n, n, i * step,
-                   std::min(k, (i + 1) * step));
+  float* partials = scratch.data();
+  RunParts(pool, parts, [&](int64_t i) {
+    accumulate(i == 0 ? out : partials + (i - 1) * n, i * step, std::min(k, (i + 1) * step));
   });
   for (int64_t i = 1; i < parts; ++i) {
     const float* partial = partials + (i - 1) * n;
     for (int64_t j = 0; j < n; ++j) out[j] += partial[j];
   }
+}
+
+// dot(r0, r1) for the n output rows, split across the threads.
+template <typename Dot>
+void SplitOutputs(ffi::ThreadPool& pool, int64_t n, const Dot& dot) {
+  const int64_t parts = Parts(pool, n);
+  const int64_t step = (n + parts - 1) / parts;
+  RunParts(pool, parts, [&](int64_t i) { dot(i * step, std::min(n, (i + 1) * step)); });
+}
+
+ffi::Error Xw(ffi::ThreadPool pool, Vector x, Matrix w, VectorResult y) {
+  const int64_t k = w.dimensions()[0], n = w.dimensions()[1];
+  SplitInputs(pool, k, n, y->typed_data(), [&](float* out, int64_t r0, int64_t r1) {
+    AccumulateRows(x.typed_data(), w.typed_data(), out, n, r0, r1);
+  });
   return ffi::Error::Success();
 }
 
 ffi::Error Wx(ffi::ThreadPool pool, Vector x, Matrix w, VectorResult y) {
-  const int64_t n = w.dimensions()[0], k = w.dimensions()[1];
-  const int64_t parts = Parts(pool, n);
-  const int64_t step = (n + parts - 1) / parts;
-  RunParts(pool, parts, [&](int64_t i) {
-    DotRows(x.typed_data(), w.typed_data(), y->typed_data(), k, i * step, std::min(n, (i + 1) * step));
+  const int64_t k = w.dimensions()[1];
+  SplitOutputs(pool, w.dimensions()[0], [&](int64_t r0, int64_t r1) {
+    DotRows(x.typed_data(), w.typed_data(), y->typed_data(), k, r0, r1);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error XwInt8(ffi::ThreadPool pool, Vector x, Int8Matrix q, Matrix s, VectorResult y) {
+  const int64_t k = q.dimensions()[0], n = q.dimensions()[1], block = k / s.dimensions()[0];
+  SplitInputs(pool, k, n, y->typed_data(), [&](float* out, int64_t r0, int64_t r1) {
+    AccumulateInt8Rows(x.typed_data(), q.typed_data(), s.typed_data(), out, n, block, r0, r1);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error WxInt8(ffi::ThreadPool pool, Vector x, Int8Matrix q, Matrix s, VectorResult y) {
+  const int64_t k = q.dimensions()[1], block = k / s.dimensions()[1];
+  SplitOutputs(pool, q.dimensions()[0], [&](int64_t r0, int64_t r1) {
+    DotInt8Rows(x.typed_data(), q.typed_data(), s.typed_data(), y->typed_data(), k, block, r0, r1);
   });
   return ffi::Error::Success();
 }
@@ -125,6 +248,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinnetXw, Xw,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LinnetWx, Wx,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Vector>().Arg<Matrix>().Ret<Vector>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    LinnetXwInt8, XwInt8,
+    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Vector>().Arg<Int8Matrix>().Arg<Matrix>().Ret<Vector>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    LinnetWxInt8, WxInt8,
+    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Vector>().Arg<Int8Matrix>().Arg<Matrix>().Ret<Vector>());
 
 // The jaxlib whose XLA FFI headers these handlers were compiled against (setup.py defines it): ops/matvec.py
 // registers them only on that jaxlib or a newer one, as an older XLA refuses a newer handler API.

@@ -3,7 +3,9 @@
 XLA:CPU runs a product under ~2 MB (a small model's q, k, v and o projections) on one core, and the
 larger ones below the bandwidth two cores reach; the kernels split every product's rows across the
 calling thread and XLA's intra-op pool (benchmarks/RESULTS.md). `einsum` takes what `jnp.einsum` takes
-and sends a product with one row of float32 activations to a kernel, anything else to `jnp.einsum`.
+and sends a product with one row of float32 activations to a kernel (float32 weights, or int8 ones with
+float32 scales in blocks of contiguous inputs: read as int8, a quarter of the bytes), anything else to
+`ops.quantized.einsum`.
 The hardware plan chooses it (`linnet_jax.backend.Plan.einsum`, on one XLA:CPU device where
 `available()`); exports and other platforms never see a kernel.
 """
@@ -21,7 +23,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-TARGETS = {"linnet_xw": "LinnetXw", "linnet_wx": "LinnetWx"}  # FFI target: the library's handler symbol
+from linnet_jax.ops.quantized import einsum as quantized_einsum, is_quantized
+
+# FFI target: the library's handler symbol
+TARGETS = {"linnet_xw": "LinnetXw", "linnet_wx": "LinnetWx", "linnet_xw_int8": "LinnetXwInt8",
+           "linnet_wx_int8": "LinnetWxInt8"}
 
 
 def cpu_has_vector_units() -> bool:
@@ -97,24 +103,45 @@ def register() -> None:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
 
 
-def einsum(spec: str, x: jax.Array, w: jax.Array, **options) -> jax.Array:
-    """jnp.einsum(spec, x, w, **options), through a kernel when x holds one row of float32 activations that
-    contracts its trailing axes with w's leading (x · w) or trailing (w · x) axes, w is float32 and the
-    output is x's free axes then w's."""
+def einsum(spec: str, x: jax.Array, w, **options) -> jax.Array:
+    """`ops.quantized.einsum(spec, x, w, **options)`, through a kernel when x holds one row of float32 activations
+    that contracts its trailing axes with w's leading (x · w) or trailing (w · x) axes, the output is x's free axes
+    then w's, and w is float32 or int8 with float32 scales (`kernel_scales`)."""
     inputs, out = spec.split("->")
     x_axes, w_axes = inputs.split(",")
     contracted = "".join(axis for axis in x_axes if axis in w_axes and axis not in out)
     rows, k = x_axes[:len(x_axes) - len(contracted)], len(contracted)
     input_first = bool(contracted) and w_axes.startswith(contracted)  # w[K, ...]; else w[..., K] or neither
     w_free = w_axes[k:] if input_first else w_axes[:-k] if contracted and w_axes.endswith(contracted) else None
-    plain = (w_free is None or not x_axes.endswith(contracted) or out != rows + w_free
-             or math.prod(x.shape[:len(rows)]) != 1 or x.dtype != jnp.float32 or w.dtype != jnp.float32)
-    if plain:
-        return jnp.einsum(spec, x, w, **options)
+    scales = kernel_scales(w, k, input_first) if is_quantized(w) else None
+    weight_fits = w.dtype == jnp.float32 and (scales is not None if is_quantized(w) else True)
+    if (w_free is None or not x_axes.endswith(contracted) or out != rows + w_free
+            or math.prod(x.shape[:len(rows)]) != 1 or x.dtype != jnp.float32 or not weight_fits):
+        return quantized_einsum(spec, x, w, **options)
     register()
     width = math.prod(x.shape[len(rows):])
     free_shape = w.shape[k:] if input_first else w.shape[:-k]
-    matrix = w.reshape(width, -1) if input_first else w.reshape(-1, width)
-    y = jax.ffi.ffi_call("linnet_xw" if input_first else "linnet_wx",
-                         jax.ShapeDtypeStruct((math.prod(free_shape),), jnp.float32))(x.reshape(width), matrix)
+    values = w.qvalue if scales is not None else w
+    matrix = values.reshape(width, -1) if input_first else values.reshape(-1, width)
+    target = ("linnet_xw" if input_first else "linnet_wx") + ("_int8" if scales is not None else "")
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((math.prod(free_shape),), jnp.float32))(
+        x.reshape(width), matrix, *(() if scales is None else (scales,)))
     return y.reshape(*x.shape[:len(rows)], *free_shape)
+
+
+def kernel_scales(w, contracted: int, input_first: bool) -> jax.Array | None:
+    """A quantized weight's scales as the int8 kernels take them, [blocks, N] (input first) or [N, blocks], or None
+    when the kernels cannot take it: int8 values with float32 scales, one scale per output and block of contiguous
+    inputs (every input axis shares one scale, or the last one is tiled and those before it are not)."""
+    if w.qvalue.dtype != jnp.int8 or w.scale.dtype != jnp.float32 or w.zero_point is not None:
+        return None
+    input_axes = tuple(range(contracted)) if input_first else tuple(range(w.ndim - contracted, w.ndim))
+    free = [axis for axis in range(w.ndim) if axis not in input_axes]
+    tiles = [w.scale.shape[axis] for axis in input_axes]
+    sizes = [w.shape[axis] for axis in input_axes]
+    per_output = all(w.scale.shape[axis] == w.shape[axis] for axis in free)
+    contiguous = all(t == 1 for t in tiles) or tiles[:-1] == sizes[:-1]
+    if not (per_output and contiguous):
+        return None
+    n, blocks = math.prod(w.shape[axis] for axis in free), math.prod(tiles)
+    return w.scale.reshape(blocks, n) if input_first else w.scale.reshape(n, blocks)

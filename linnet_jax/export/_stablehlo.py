@@ -80,7 +80,7 @@ def write_programs(model, target: Path, buckets: list[int], batch: int, max_len:
     config = model.config
     layout = model.layout
     weights = save_weights(unstack_layers(model.params), target / WEIGHTS)
-    cache = jax.eval_shape(lambda: cache_dict(init_cache(config, batch, max_len, model.params.embed.dtype)))
+    cache = jax.eval_shape(lambda: cache_dict(init_cache(config, batch, max_len, model.params.dtype)))
     programs = {f"prefill_T{t}": ((batch, t), last_logits) for t in buckets} | {"decode": ((batch,), decode_step)}
     placed = None if layout is None else Placement.of(layout, config, batch, max_len)
     specs = {}
