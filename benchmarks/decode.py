@@ -131,13 +131,14 @@ class LinnetJax(System):
     positions a run needs (max_len, as llama.cpp's n_ctx and the exports' capacity)."""
 
     label = "linnet_jax (XLA:CPU)"
+    quantize: str | None = None  # load's quantize
 
     def load(self) -> None:
         import jax
         import linnet_jax
 
         self.linnet_jax = linnet_jax
-        self.model = linnet_jax.load(self.model_path, progress=False)
+        self.model = linnet_jax.load(getattr(self, "export", self.model_path), quantize=self.quantize, progress=False)
         jax.block_until_ready(self.model.params)
 
     def generate(self, ids: np.ndarray, new_tokens: int) -> list[int]:
@@ -158,6 +159,14 @@ class LinnetJax(System):
             return f"batch-1 products through linnet's matrix-vector kernels ({plan})"
         why = matvec.unavailable_reason() or "the plan takes them on one CPU device only"
         return f"batch-1 products are XLA's: linnet's kernels are unavailable here ({why}; {plan})"
+
+
+@register("linnet_jax_int8")
+class LinnetJaxInt8(LinnetJax):
+    """linnet_jax.generate on `load(..., quantize="int8")`: the products' weights int8, a scale per output channel."""
+
+    label = "linnet_jax int8 (XLA:CPU)"
+    quantize, weight_bytes = "int8", 1.0
 
 
 @register("transformers")
@@ -410,6 +419,17 @@ class LlamaCppQ8(LlamaCpp):
     label = "llama.cpp on linnet_jax's GGUF (q8_0)"
     export_options = {"dtype": "q8_0", "progress": False}
     weight_bytes = 34 / 32  # a block: 32 int8 weights and a float16 scale
+
+
+@register("linnet_jax_q8_0")
+class LinnetJaxQ8(Exported, LinnetJaxInt8):
+    """linnet_jax.generate on the file llama_cpp_q8_0 runs, loaded with quantize="int8": its Q8_0 blocks as stored
+    (the same int8 weights and scales as llama.cpp's)."""
+
+    label = "linnet_jax on linnet_jax's GGUF (q8_0)"
+    export_format, export_name, export_options = LlamaCppQ8.export_format, LlamaCppQ8.export_name, \
+        LlamaCppQ8.export_options
+    weight_bytes = LlamaCppQ8.weight_bytes
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,10 +20,9 @@ A `Plan` is hashable: `Model.plan` holds it and the cached programs (`forward`, 
 import dataclasses
 from collections.abc import Callable
 
-import jax.numpy as jnp
 
 from linnet_jax.models.params import Params, unstack_layers
-from linnet_jax.ops import matvec
+from linnet_jax.ops import matvec, quantized
 
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")  # "gpu": how JAX names a CUDA or ROCm device
 XLA_DOTS = (("xla_cpu_experimental_ynn_fusion_type", ""),)  # XLA:CPU fuses no op into YNNPACK: dots are XLA's
@@ -40,8 +39,9 @@ class Plan:
 
     @property
     def einsum(self) -> Callable:
-        """The function the model's products run through: `ops.matvec.einsum` or `jnp.einsum`."""
-        return matvec.einsum if self.matvec_kernels else jnp.einsum
+        """The function the model's products run through: `ops.matvec.einsum` or `ops.quantized.einsum` (jnp.einsum, or
+        qwix's for quantized weights)."""
+        return matvec.einsum if self.matvec_kernels else quantized.einsum
 
     def decode_options(self, rows: int) -> tuple[tuple[str, str], ...]:
         """XLA compiler options (name, value) for a decode program of `rows` rows (hashable: a cache key)."""

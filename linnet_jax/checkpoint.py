@@ -39,10 +39,14 @@ def save(model: Model, directory, *, overwrite: bool = False) -> Path:
 
     Each array's shape, dtype and sha256 go in the marker file, and load checks them. Everything is written
     under a temporary name first. overwrite: an existing non-empty directory is a FileExistsError unless True
-    (then only OUTPUTS are replaced). Returns the path.
+    (then only OUTPUTS are replaced). Returns the path. A quantized model is refused: save the float model, and
+    load it with quantize="int8".
     """
     import orbax.checkpoint as ocp
 
+    if model.quantization:
+        raise ValueError(f"save keeps float weights; this model's are {model.quantization}: save the model loaded "
+                         f"without quantize, and pass quantize={model.quantization!r} to load")
     target = prepare_target(directory, overwrite).absolute()
     with staged(target, OUTPUTS) as written:
         with ocp.StandardCheckpointer() as checkpointer:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from linnet_jax.compilation import enable_compilation_cache
 from linnet_jax.export._onnx import DTYPES as ONNX_DTYPES
-from linnet_jax.models.config import DTYPES
+from linnet_jax.models.config import DTYPES, QUANTIZE
 
 # --format -> the --dtype values it takes: for gguf the GGUF storage type, for onnx the graphs' (weights' and
 # cache's), else the weights' dtype.
@@ -37,8 +37,11 @@ def parser() -> argparse.ArgumentParser:
     source.add_argument("--model", default=None, help="HF directory, hub id or .gguf (default: SmolLM2-135M-Instruct)")
     source.add_argument("--no-compilation-cache", action="store_true", help="do not use the persistent JAX cache")
     source.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    common = argparse.ArgumentParser(add_help=False, parents=[source])
-    common.add_argument("--dtype", default=None, choices=DTYPES)
+    weights = argparse.ArgumentParser(add_help=False)
+    weights.add_argument("--dtype", default=None, choices=DTYPES, help="the params' dtype (default: as stored)")
+    weights.add_argument("--quantize", default=None, choices=QUANTIZE,
+                         help="int8: the products' weights as int8 (a GGUF's Q8_0 blocks as stored)")
+    common = argparse.ArgumentParser(add_help=False, parents=[source, weights])
     common.add_argument("--max-new-tokens", type=positive_int, default=256)
     common.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     common.add_argument("--top-k", type=int, default=0)
@@ -60,8 +63,7 @@ def parser() -> argparse.ArgumentParser:
                         f"{', '.join(ONNX_DTYPES)} (default {ONNX_DTYPES[0]})")
     export.add_argument("--overwrite", action="store_true", help="write over an existing OUT")
     export.add_argument("out", metavar="OUT", help="a directory (a .gguf file for --format gguf)")
-    serve = commands.add_parser("serve", parents=[source], help="an OpenAI-compatible HTTP server")
-    serve.add_argument("--dtype", default=None, choices=DTYPES)
+    serve = commands.add_parser("serve", parents=[source, weights], help="an OpenAI-compatible HTTP server")
     serve.add_argument("--slots", type=positive_int, default=16, help="requests decoded together (cache rows)")
     serve.add_argument("--max-len", type=positive_int, default=None,
                        help="positions per slot: prompt + new tokens (default 640, or the model's context if shorter)")
@@ -108,14 +110,13 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--replica-cpus", type=positive_float, default=None,
                        help="with --replicas: the Ray CPUs each replica reserves (default 1; below 2: one compute "
                             "thread)")
-    add_finetune(commands.add_parser("finetune", parents=[source], help="fine-tune on a JSON Lines file (full or LoRA)"))
-    evaluate = commands.add_parser("eval", parents=[source], help="run lm-eval tasks on the model, in process")
+    add_finetune(commands.add_parser("finetune", parents=[source, weights], help="fine-tune on a JSON Lines file (full or LoRA)"))
+    evaluate = commands.add_parser("eval", parents=[source, weights], help="run lm-eval tasks on the model, in process")
     evaluate.add_argument("--tasks", required=True, help="comma-separated lm-eval task (or group) names")
     evaluate.add_argument("--include-path", default=None, metavar="DIR", help="a directory of your own task YAMLs")
     evaluate.add_argument("--limit", type=positive_float, default=None,
                           help="at most N documents per task (a fraction of each below 1)")
     evaluate.add_argument("--num-fewshot", type=non_negative_int, default=None)
-    evaluate.add_argument("--dtype", default=None, choices=DTYPES)
     evaluate.add_argument("--batch-size", type=positive_int, default=16, help="prompts generated together")
     evaluate.add_argument("--max-length", type=positive_int, default=None,
                           help="the most tokens a scored window holds (default: the model's context)")
@@ -202,6 +203,9 @@ def check_flags(arguments: argparse.ArgumentParser, args) -> None:
             arguments.error(f"--dtype {args.dtype} is not one of {EXPORT_DTYPES[args.format]} "
                             f"(for --format {args.format})")
         return
+    if args.command == "finetune" and args.quantize and not args.lora_rank:
+        arguments.error(f"--quantize {args.quantize} trains LoRA adapters over the quantized weights (QLoRA): it needs "
+                        "--lora-rank > 0")
     if args.command == "finetune":
         if args.method != "dpo" and (args.beta is not None or args.reference_free):
             arguments.error("--beta and --reference-free are DPO's: add --method dpo")
@@ -288,7 +292,6 @@ def check_address(host: str, port: int) -> None:
 def add_finetune(command: argparse.ArgumentParser) -> None:
     command.add_argument("--data", required=True, metavar="FILE.jsonl",
                          help='records {"messages": [...]}, {"prompt": ..., "completion": ...} or {"text": ...}')
-    command.add_argument("--dtype", default=None, choices=DTYPES, help="the params' dtype (default: as stored)")
     command.add_argument("--lora-rank", type=non_negative_int, default=8, help="0 = full fine-tuning")
     command.add_argument("--lora-alpha", type=positive_float, default=16.0)
     command.add_argument("--lora-targets", default=None,
@@ -350,7 +353,7 @@ def run_finetune(args) -> None:
 
     check_out_dir(Path(args.out), resume=args.resume or args.resume_anyway, overwrite=args.overwrite)
     lora = lora_config(args)
-    model = load(args.model, dtype=args.dtype)
+    model = load(args.model, dtype=args.dtype, quantize=args.quantize)
     result = train.finetune(
         model, args.data, args.out, lora=lora, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         lr=args.lr, warmup=args.warmup, accum_steps=args.accum_steps, save_every=args.save_every, keep=args.keep,
@@ -385,7 +388,7 @@ def run_eval(args) -> None:
 
     tasks_to_run(args.tasks, args.include_path)  # an unknown task is refused before the model loads
     output = prepare_target(args.output, overwrite=args.overwrite) if args.output else None
-    model = load(args.model, dtype=args.dtype)
+    model = load(args.model, dtype=args.dtype, quantize=args.quantize)
     results = evaluate(model, args.tasks, include_path=args.include_path, limit=args.limit,
                        num_fewshot=args.num_fewshot, batch_size=args.batch_size, max_length=args.max_length,
                        log_samples=args.log_samples)
@@ -401,8 +404,8 @@ def export_model(args) -> Path:
     """Load the model and run linnet_jax.export.<format> on it; returns what it wrote."""
     from linnet_jax import export, load
 
-    if args.format == "gguf":
-        model = load(args.model)
+    if args.format == "gguf":  # q8_0 from a model whose weights are Q8_0 already: its blocks as stored, not requantized
+        model = load(args.model, quantize="int8" if args.dtype == "q8_0" else None)
         return export.gguf(model, args.out, dtype=args.dtype or GGUF_DEFAULT, overwrite=args.overwrite)
     if args.format == "onnx":  # the graphs' dtype: the weights are read in float32 and cast once, at export
         model = load(args.model, dtype="float32")
@@ -462,7 +465,7 @@ def run(args) -> int:
     if getattr(args, "coordinator", None):
         join_processes(args)
     start = time.perf_counter()
-    model = load(args.model, dtype=args.dtype, **serve_mesh(args))
+    model = load(args.model, dtype=args.dtype, quantize=args.quantize, **serve_mesh(args))
     print(f"{model} loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     if args.command == "serve":
         return serve(model, args)
@@ -518,7 +521,7 @@ def serve_replicas(args) -> int:
     if jax.config.jax_compilation_cache_dir:  # the replicas of a local Ray instance compile into the same cache
         os.environ["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir
     cpus = {} if args.replica_cpus is None else {"cpus": args.replica_cpus}
-    application = app(args.model, replicas=args.replicas, api_key=args.api_key, dtype=args.dtype,
+    application = app(args.model, replicas=args.replicas, api_key=args.api_key, dtype=args.dtype, quantize=args.quantize,
                       max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES, **cpus, **engine_options(args))
     run(application, address=args.ray_address, host=args.host, port=args.port)
     return 0

@@ -277,6 +277,15 @@ def open_gguf(path) -> tuple[dict, GGUFTensors, dict]:
     return hf_config, GGUFTensors(tensors, shapes, hf_config), metadata
 
 
+def _q8_0_bytes(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Q8_0's bytes for int8 values [rows, n] and their scales [rows, n / 32]: each block its float16 scale, then
+    its 32 values ([rows, n / 32 * 34] uint8, what gguf's writer takes)."""
+    rows, blocks = scales.shape
+    scale_bytes = scales.astype(np.float16).reshape(rows, blocks, 1).view(np.uint8)
+    value_bytes = values.reshape(rows, blocks, -1).view(np.uint8)
+    return np.concatenate([scale_bytes, value_bytes], axis=-1).reshape(rows, -1)
+
+
 def _add_metadata_value(writer: gguf.GGUFWriter, key: str, value) -> None:
     """Add one key with the GGUF type llama.cpp uses for it: ints as uint32 (int32 when negative),
     floats as float32, lists typed by their first item (int32 / float32 / string / bool)."""
@@ -296,13 +305,14 @@ def _add_metadata_value(writer: gguf.GGUFWriter, key: str, value) -> None:
         raise ValueError(f"GGUF metadata key {key!r}: cannot write a value of type {type(value).__name__}")
 
 
-def write_gguf(path, hf_config: dict, state: dict[str, np.ndarray], *, tensor_type: str = "F32",
+def write_gguf(path, hf_config: dict, state: dict[str, np.ndarray | Int8Blocks], *, tensor_type: str = "F32",
                tokenizer_metadata: dict | None = None, progress: bool = True) -> pathlib.Path:
     """Write a transformers-named state dict (see the module docstring) and its config as GGUF.
 
     Matrices are stored as `tensor_type` (one of WRITABLE_TYPES, quantized by gguf.quants; a matrix
     whose row length is not a multiple of the quant block size falls back to F16, as llama.cpp does);
-    1-D tensors (norms, biases) stay F32. llama's q/k rows are permuted to llama.cpp's layout.
+    1-D tensors (norms, biases) stay F32. llama's q/k rows are permuted to llama.cpp's layout. A tensor given as
+    Int8Blocks of 32 is written as they are under Q8_0 (its scales as the file's float16), else dequantized first.
     `tokenizer_metadata` (tokenizer.* keys, e.g. from `Tokenizer.gguf_metadata()`) is added as is.
     lm_head.weight is left out when tie_word_embeddings is true (when the config does not say, the
     embeddings count as tied exactly when state has no lm_head.weight). Returns the path written.
@@ -372,8 +382,14 @@ def write_gguf(path, hf_config: dict, state: dict[str, np.ndarray], *, tensor_ty
         gguf_name = _rename(hf_name, _TO_GGUF)
         if gguf_name is None:
             raise ValueError(f"tensor {hf_name!r} has no GGUF equivalent (writing {path})")
-        w = np.asarray(state[hf_name], dtype=np.float32)
-        if (n := _rope_heads(hf_name, config)) is not None:
+        value, n = state[hf_name], _rope_heads(hf_name, config)
+        if isinstance(value, Int8Blocks) and tensor_type == "Q8_0" and value.block == gguf.GGML_QUANT_SIZES[_Q.Q8_0][0]:
+            values, scales = (value.values, value.scales) if n is None else (
+                _interleave_rope_rows(value.values, n), _interleave_rope_rows(value.scales, n))
+            writer.add_tensor(gguf_name, _q8_0_bytes(values, scales), raw_dtype=_Q.Q8_0)
+            continue
+        w = value.dequantized() if isinstance(value, Int8Blocks) else np.asarray(value, dtype=np.float32)
+        if n is not None:
             w = _interleave_rope_rows(w, n)
         qtype = _Q.F32 if w.ndim == 1 else _Q[tensor_type]
         if w.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:

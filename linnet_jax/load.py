@@ -15,7 +15,7 @@ from linnet_jax.checkpoint import is_checkpoint, load_checkpoint
 from linnet_jax.files import INDEX_FILE, finite, read_config, read_json
 from linnet_jax.loaded import Model
 from linnet_jax.models import Config, params_from_hf
-from linnet_jax.models.config import DTYPES
+from linnet_jax.models.config import DTYPES, QUANTIZE
 from linnet_jax.models.params import Int8Blocks, Params, declared, hf_tensor_names
 from linnet_jax.sharding import Layout, placement
 
@@ -25,9 +25,6 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
-
-
-QUANTIZE = ("int8",)  # load(..., quantize=)
 
 
 def load(source=None, *, dtype=None, quantize: str | None = None, revision=None, cache_dir=None, token=None,

@@ -23,7 +23,7 @@ from linnet_jax.decode import decode_program, empty_slots, extend, free, verify
 from linnet_jax.inputs import MIN_BUCKET, STOP_ID_SLOTS, buckets, make_requests, make_sampling
 from linnet_jax.loaded import Model
 from linnet_jax.models.config import Config
-from linnet_jax.models.lora import FIELDS, LoraTable, lora_shapes
+from linnet_jax.models.lora import FIELDS, LoraConfig, LoraTable, lora_shapes
 from linnet_jax.train.step import init_state, make_train_step
 
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -87,8 +87,9 @@ def table_shapes(config: Config, entries: int, rank: int, dtype) -> LoraTable:
 
 
 def train_step_traced(model: Model, batch: int, length: int) -> jax.stages.Traced:
-    """One AdamW full fine-tuning step (`train.step.make_train_step`) traced over a [batch, length] batch."""
-    optimizer = optax.adamw(TRAIN_LEARNING_RATE)
-    state = jax.eval_shape(lambda: init_state(model, optimizer))
+    """One AdamW fine-tuning step (`train.step.make_train_step`) traced over a [batch, length] batch: full, or LoRA's
+    default adapters over a quantized model's frozen weights (QLoRA)."""
+    optimizer, lora = optax.adamw(TRAIN_LEARNING_RATE), LoraConfig() if model.quantization else None
+    state = jax.eval_shape(lambda: init_state(model, optimizer, lora=lora))
     tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
-    return jax.jit(make_train_step(optimizer)).trace(state, {"tokens": tokens, "loss_mask": tokens})
+    return jax.jit(make_train_step(optimizer, lora=lora)).trace(state, {"tokens": tokens, "loss_mask": tokens})

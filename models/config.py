@@ -14,6 +14,7 @@ from typing import Any
 from linnet_jax.ops.rope import RopeScaling
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZE = ("int8",)  # how the products' weights may be stored besides the dtype (`linnet_jax.load(..., quantize=)`)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -286,18 +286,48 @@ def host_copy(array: np.ndarray | Int8Blocks) -> np.ndarray | Int8Blocks:
     return copy
 
 
-def params_to_hf(params: Params, config: Config) -> dict[str, np.ndarray]:
-    """The transformers state dict of these params (numpy, in the params' dtype)."""
+def params_to_hf(params: Params, config: Config, block: int | None = None) -> dict[str, np.ndarray | Int8Blocks]:
+    """The transformers state dict of these params (numpy, in the params' dtype). A quantized weight comes
+    dequantized, or as Int8Blocks where its scales cover blocks of `block` contiguous inputs (a Q8_0 writer's)."""
     top, layers = declared(Params), declared(LayerParams)
     state = {}
-    for name, array in flatten_params(params).items():
+    for name, weight in flatten_params(params).items():
+        array = on_host(name, weight, block)
         if not name.startswith("layers."):
-            state[top[name]["hf_name"]] = np.asarray(array)
+            state[top[name]["hf_name"]] = array
             continue
         field = layers[name.removeprefix("layers.")]
-        for i, layer in enumerate(np.asarray(array)):
-            state[f"model.layers.{i}.{field['hf_name']}"] = to_hf_layer_tensor(layer, field["inputs"])
+        for i in range(config.num_layers):
+            hf_name = f"model.layers.{i}.{field['hf_name']}"
+            if isinstance(array, Int8Blocks):
+                state[hf_name] = Int8Blocks(to_hf_layer_tensor(array.values[i], field["inputs"]),
+                                            to_hf_layer_tensor(array.scales[i], field["inputs"]))
+            else:
+                state[hf_name] = to_hf_layer_tensor(array[i], field["inputs"])
     return state
+
+
+def on_host(name: str, weight, block: int | None = None) -> np.ndarray | Int8Blocks:
+    """A stacked weight on the host: an array, a quantized one dequantized, or its values and scales (Int8Blocks,
+    our layout) where its scales cover blocks of `block` contiguous inputs."""
+    if not isinstance(weight, qwix.QArray):
+        return np.asarray(weight)
+    if block is not None and input_block(weight, contracted_axes(name)) == block:
+        return Int8Blocks(np.asarray(weight.qvalue), np.asarray(weight.scale, np.float32))
+    return np.asarray(qwix.dequantize(weight))
+
+
+def input_block(weight: qwix.QArray, contracted: tuple[int, ...]) -> int | None:
+    """How many contiguous inputs share each of a quantized weight's scales, or None when its scales are not laid
+    out so (outputs sharing a scale, or blocks that are not contiguous in the flattened input)."""
+    tiles = weight.scale_tile_shape
+    if any(tiles[axis] != 1 for axis in range(weight.ndim) if axis not in contracted):
+        return None
+    if all(tiles[axis] == 1 for axis in contracted[:-1]):
+        return tiles[contracted[-1]]
+    if all(tiles[axis] == weight.shape[axis] for axis in contracted):  # one scale an output
+        return math.prod(weight.shape[axis] for axis in contracted)
+    return None
 
 
 def flatten_params(tree: Params | LayerParams, prefix: str = "") -> dict[str, jax.Array]:

@@ -32,6 +32,7 @@ def hf(model, out_dir, *, dtype=None, max_shard_size="5GB", overwrite: bool = Fa
       shard survives and other files stay. Everything is written under a temporary name first.
     Tied embeddings stay tied: no lm_head tensor is written.
     """
+    model = model.dequantized()  # a quantized model's weights are written as the floats they stand for
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; expected None or one of {DTYPES}")
     limit = parse_size(max_shard_size)

@@ -156,6 +156,7 @@ def jax_source(model, out_dir, *, overwrite: bool = False) -> Path:
     is a FileExistsError unless True (then only these files are replaced; all are written under a
     temporary name first).
     """
+    model = model.dequantized()  # a quantized model's weights are written as the floats they stand for
     source = module_source(model)
     target = prepare_target(out_dir, overwrite)
     with staged(target, (MODULE, WEIGHTS, *MODEL_FILES)) as written:

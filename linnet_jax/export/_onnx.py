@@ -50,6 +50,7 @@ def onnx(model, out_dir, *, dtype: str = "float32", max_len: int = 1024, overwri
     "float16", the weights' and the cache's. overwrite: an existing non-empty out_dir is a FileExistsError
     unless True (then only these files are replaced; all are written under a temporary name first).
     """
+    model = model.dequantized()  # a quantized model's weights are written as the floats they stand for
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}"
                          + (": ONNX Runtime's CPU provider has no bfloat16 MatMul" if dtype == "bfloat16" else ""))

@@ -66,6 +66,7 @@ def stablehlo(model, out_dir, *, batch: int = 1, max_len: int = 1024, platforms=
     A sharded model (`linnet_jax.load(..., mesh=...)`, `linnet_jax.shard`) exports programs for its mesh,
     with every argument's sharding, and records the mesh and PartitionSpecs in the manifest.
     """
+    model = model.dequantized()  # a quantized model's weights are written as the floats they stand for
     config = model.config
     buckets = prompt_buckets(config, batch, max_len)
     target = prepare_target(out_dir, overwrite)

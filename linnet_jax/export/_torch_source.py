@@ -230,6 +230,7 @@ def torch_source(model, out_dir, *, max_len: int = 1024, overwrite: bool = False
     it. overwrite: an existing non-empty out_dir is a FileExistsError unless True (then only these files are
     replaced; all are written under a temporary name first).
     """
+    model = model.dequantized()  # a quantized model's weights are written as the floats they stand for
     source = module_source(model, max_len)
     target = prepare_target(out_dir, overwrite)
     with staged(target, (MODULE, WEIGHTS, README, *MODEL_FILES)) as written:

@@ -77,14 +77,14 @@ class Replica:
     """One replica: bound to its cores, the model loaded, its Engine warmed up, and `create_app` over it (built by
     Ray after __init__, in the replica)."""
 
-    def __init__(self, model, dtype, model_name: str, api_key, max_request_bytes: int, cpus: float,
+    def __init__(self, model, load_options: dict, model_name: str, api_key, max_request_bytes: int, cpus: float,
                  engine_options: dict):
         import linnet_jax
         from linnet_jax.serve import Engine
 
         pin_to_cores(replica_cores(sorted(os.sched_getaffinity(0)), math.ceil(cpus),
                                    serve.get_replica_context().rank.local_rank))
-        self.engine = Engine(linnet_jax.load(model, dtype=dtype, progress=False), **engine_options)
+        self.engine = Engine(linnet_jax.load(model, progress=False, **load_options), **engine_options)
         self.engine.warmup()
         self.app_options = dict(model_name=model_name, api_key=api_key, max_request_bytes=max_request_bytes)
 
@@ -105,7 +105,8 @@ class Replica:
 
 
 def app(model=None, *, replicas: int | str = 2, slots: int = 16, max_len: int | None = 640, max_queue: int = 256,
-        api_key: str | None = None, model_name: str | None = None, dtype: str | None = None, cpus: float = 1,
+        api_key: str | None = None, model_name: str | None = None, dtype: str | None = None,
+        quantize: str | None = None, cpus: float = 1,
         autoscaling_config: dict | None = None, max_request_bytes: int = MAX_REQUEST_BYTES, **engine_options) -> serve.Application:
     """A Ray Serve application of `replicas` replicas of the OpenAI-compatible server, each with one Engine of
     `slots` slots of `max_len` positions (None: as `Engine` chooses) over `model` (what `linnet_jax.load` takes;
@@ -114,7 +115,7 @@ def app(model=None, *, replicas: int | str = 2, slots: int = 16, max_len: int | 
     replicas: a count, or "auto" for Ray's autoscaler (`autoscaling_config`, Ray's keys; its
     target_ongoing_requests defaults to half the slots). max_queue: requests Ray's proxy holds while every
     replica is full (beyond them: 429 with Retry-After). api_key, max_request_bytes, model_name (default: `model` as
-    given, or the default's name): as `create_app` takes them; dtype: as `linnet_jax.load` takes it. cpus: Ray CPUs each replica reserves, and
+    given, or the default's name): as `create_app` takes them; dtype, quantize: as `linnet_jax.load` takes them. cpus: Ray CPUs each replica reserves, and
     binds ceil(cpus) cores to (`pin_to_cores`). engine_options: further `Engine` keywords (prefill_batch, prefix_cache, ...).
     Run it with `serve.run(app(...))`, or `linnet-jax serve --replicas N`.
     """
@@ -139,7 +140,7 @@ def app(model=None, *, replicas: int | str = 2, slots: int = 16, max_len: int | 
         request_router_config=RequestRouterConfig(request_router_class=ROUTER),
         ray_actor_options={"num_cpus": cpus})
     model_name = model_name or (DEFAULT_MODEL if model is None else str(model))
-    return deployment.bind(replica_source(model), dtype, model_name, api_key, max_request_bytes, cpus,
+    return deployment.bind(replica_source(model), dict(dtype=dtype, quantize=quantize), model_name, api_key, max_request_bytes, cpus,
                            dict(slots=slots, max_len=max_len, max_queue=max_queue, **engine_options))
 
 

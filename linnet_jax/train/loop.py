@@ -23,6 +23,7 @@ import jax
 from tqdm import tqdm
 
 from linnet_jax.loaded import Model
+from linnet_jax.models.config import QUANTIZE
 from linnet_jax.models.lora import LoraConfig
 from linnet_jax.train.checkpoints import Checkpoints, latest_saved_step
 from linnet_jax.train.data import Batches, DataError, json_lines, load_documents, load_pairs
@@ -136,7 +137,7 @@ def finetune(model: Model, data, out_dir, *, lora: LoraConfig | None = LoraConfi
              overwrite: bool = False, seed: int = 0, packing: bool = True, truncate: bool = False,
              remat: bool = False, compute_dtype=None, method: str = "sft", beta: float = 0.1,
              reference_free: bool = False, eval_tasks=None, eval_every: int | None = None, eval_include_path=None,
-             eval_limit: float | None = None, progress: bool = True) -> Result:
+             eval_limit: float | None = None, quantize: str | None = None, progress: bool = True) -> Result:
     """Fine-tune `model` (a Model with a tokenizer) on the JSON Lines file `data`, writing out_dir as the module
     docstring lays out; returns the last state and the fine-tuned model.
 
@@ -159,10 +160,19 @@ def finetune(model: Model, data, out_dir, *, lora: LoraConfig | None = LoraConfi
     (default: at the last step only) and at the last, run lm-eval on the model as trained so far
     (`linnet_jax.eval.evaluate`, tasks of eval_include_path added, eval_limit documents per task) and add its
     numbers to that step's line of metrics.jsonl.
+    quantize: "int8" trains LoRA adapters over the model's products' weights as int8 (QLoRA; `Model.quantized`):
+    the base gets no gradient and no float copy. A model loaded quantized (`load(..., quantize="int8")`) trains so
+    too. Its fine-tuned model (`Result.model`) has the adapters merged into the dequantized weights.
     A step whose loss or gradient norm is not finite stops the run with a `Diverged` error.
     """
     if model.tokenizer is None:
         raise ValueError("finetune needs a model with a tokenizer to encode the data")
+    if quantize not in (None, *QUANTIZE):
+        raise ValueError(f"quantize must be None or one of {QUANTIZE}, got {quantize!r}")
+    model = model.quantized() if quantize else model
+    if model.quantization and lora is None:
+        raise ValueError(f"the model's weights are {model.quantization}: they train only under LoRA adapters "
+                         "(QLoRA); pass lora=LoraConfig(...), or fine-tune the float model")
     out = Path(out_dir)
     resume = resume or resume_anyway
     check_out_dir(out, resume=resume, overwrite=overwrite)

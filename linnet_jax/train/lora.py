@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from linnet_jax.models.lora import TARGETS, Lora, LoraConfig, split_shape
+from linnet_jax.ops.quantized import dequantized
 
 
 def init_lora(config, lora_config: LoraConfig, key: jax.Array, dtype=None) -> Lora:
@@ -34,8 +35,10 @@ def lora_delta(a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
 
 
 def merge_lora(model, lora: Lora):
-    """A plain Model whose adapted weights are W + scale · A B (computed in float32, stored in W's dtype)."""
+    """A plain Model whose adapted weights are W + scale · A B (computed in float32, stored in W's dtype; a quantized
+    W dequantized first, so the merged weight is float)."""
     layers = model.params.layers
-    merged = {field: (getattr(layers, field).astype(jnp.float32) + lora_delta(lora.a[field], lora.b[field], lora.scale)
-                      ).astype(getattr(layers, field).dtype) for field in lora.a}
+    merged = {field: (dequantized(getattr(layers, field)).astype(jnp.float32)
+                      + lora_delta(lora.a[field], lora.b[field], lora.scale)).astype(getattr(layers, field).dtype)
+              for field in lora.a}
     return dataclasses.replace(model, params=model.params.replace(layers=layers.replace(**merged)))

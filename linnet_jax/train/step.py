@@ -23,6 +23,7 @@ import optax
 
 from linnet_jax.models import Config, Params, forward
 from linnet_jax.models.lora import Lora, LoraConfig
+from linnet_jax.ops import quantized
 from linnet_jax.sharding import Layout, put
 from linnet_jax.train.lora import init_lora
 
@@ -68,8 +69,8 @@ def token_losses(params: Params, config: Config, batch: dict, *, lora: Lora | No
     segments = batch.get("segment_ids")
     positions = (jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape) if segments is None
                  else positions_from_segments(segments))
-    if compute_dtype is not None:
-        params, lora = jax.tree.map(lambda w: w.astype(compute_dtype), (params, lora))
+    if compute_dtype is not None:  # a quantized weight's scales take the dtype (its int8 values stay)
+        params, lora = jax.tree.map(lambda w: w.astype(compute_dtype), (params, lora), is_leaf=quantized.is_quantized)
     logits, _ = forward(params, config, tokens, positions, constrain=constrain, segment_ids=segments, lora=lora,
                         remat=remat)
     logits = logits[:, :-1]  # [B, T-1, V]
