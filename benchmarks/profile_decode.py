@@ -13,7 +13,9 @@ reads them (cycled through enough copies to miss every cache), with XLA:CPU's de
 YNNPACK's (`compiler_options`) and with linnet's (`ops.matvec`), and how many cores each keeps busy (CPU time
 over wall time).
 
-    python benchmarks/profile_decode.py [--steps 64] [--runs 5] [--profile] [--products]
+--quantize int8 runs the model loaded with `quantize="int8"`.
+
+    python benchmarks/profile_decode.py [--steps 64] [--runs 5] [--profile] [--products] [--quantize int8]
 """
 
 import argparse
@@ -34,6 +36,7 @@ from harness import median, timed
 import linnet_jax
 from linnet_jax.decode import decode, extend
 from linnet_jax.inputs import make_requests, make_sampling, new_slots, stop_id_array
+from linnet_jax.models.config import QUANTIZE
 from linnet_jax.models.params import unstack_layers
 from linnet_jax.ops import matvec
 
@@ -146,8 +149,9 @@ def main():
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--products", action="store_true", help="time each product alone (and only that)")
+    parser.add_argument("--quantize", default=None, choices=QUANTIZE, help="the model's weights, as load takes it")
     args = parser.parse_args()
-    model = linnet_jax.load(progress=False)
+    model = linnet_jax.load(progress=False, quantize=args.quantize)
     if args.products:
         return print_products(model)
     runs = variants(model)

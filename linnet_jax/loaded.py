@@ -10,7 +10,7 @@ import numpy as np
 
 from linnet_jax.backend import Plan, decode_params, plan_for
 from linnet_jax.models import Config, Params, forward
-from linnet_jax.models.params import (dequantize_params, flatten_params, is_quantized, quantize_params,
+from linnet_jax.models.params import (any_quantized, dequantize_params, flatten_params, quantize_params,
                                       unflatten_params)
 from linnet_jax.sharding import placed_like, put
 
@@ -43,7 +43,7 @@ class Model:
     @property
     def quantization(self) -> str | None:
         """"int8" when the products' weights are int8 (`load(..., quantize="int8")`, `quantized`), else None."""
-        return "int8" if is_quantized(self.params) else None
+        return "int8" if any_quantized(self.params) else None
 
     def quantized(self) -> "Model":
         """The same model with the products' weights as int8 values and per-output-channel scales

@@ -39,6 +39,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from linnet_jax.models import Config, KVCache
+from linnet_jax.ops.quantized import is_quantized
 from linnet_jax.models.params import (Int8Blocks, contracted_axes, flatten_params, param_axes, param_shapes,
                                       quantize_weight, unflatten_params)
 
@@ -264,7 +265,7 @@ def placed_like(array, sharding: NamedSharding | None):
     where it is)."""
     if sharding is None:
         return array
-    if isinstance(array, qwix.QArray):
+    if is_quantized(array):
         return array.replace(qvalue=jax.device_put(array.qvalue, sharding),
                              scale=jax.device_put(array.scale, scale_sharding(sharding, array.shape, array.scale.shape)))
     return jax.device_put(array, sharding)
@@ -310,7 +311,7 @@ def describe(model) -> str:
     rows = [("weight", "logical axes", "mesh axes", "per-device shape", "bytes/device")]
     per_device = total = 0
     for name, weight in flatten_params(model.params).items():
-        array = weight.qvalue if isinstance(weight, qwix.QArray) else weight  # a quantized one: its int8 values
+        array = weight.qvalue if is_quantized(weight) else weight  # a quantized one: its int8 values
         spec = getattr(array.sharding, "spec", PartitionSpec())
         shard_shape = array.sharding.shard_shape(array.shape)
         shard_bytes = math.prod(shard_shape) * array.dtype.itemsize

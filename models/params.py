@@ -25,6 +25,7 @@ import numpy as np
 import qwix
 
 from linnet_jax.models.config import Config
+from linnet_jax.ops.quantized import dequantized, is_quantized
 
 
 HOST_ALIGNMENT = 64  # bytes: what XLA:CPU needs to use a host buffer in place
@@ -168,19 +169,19 @@ def quantize_weight(weight: jax.Array, contracted: tuple[int, ...], block: int |
 def quantize_params(params: Params, block: int | None = None) -> Params:
     """The same model with the products' weights (projections, embedding, lm head) quantized (`quantize_weight`);
     stacked params only."""
-    return unflatten_params({name: array if (axes := contracted_axes(name)) is None or isinstance(array, qwix.QArray)
+    return unflatten_params({name: array if (axes := contracted_axes(name)) is None or is_quantized(array)
                              else quantize_weight(array, axes, block)
                              for name, array in flatten_params(params).items()})
 
 
 def dequantize_params(params: Params) -> Params:
     """The float model quantized params stand for (float params unchanged)."""
-    return jax.tree.map(lambda leaf: qwix.dequantize(leaf) if isinstance(leaf, qwix.QArray) else leaf, params,
-                        is_leaf=lambda leaf: isinstance(leaf, qwix.QArray))
+    return jax.tree.map(dequantized, params, is_leaf=is_quantized)
 
 
-def is_quantized(params: Params) -> bool:
-    return any(isinstance(leaf, qwix.QArray) for leaf in flatten_params(params).values())
+def any_quantized(params: Params) -> bool:
+    """Whether any weight of params is quantized."""
+    return any(map(is_quantized, flatten_params(params).values()))
 
 
 def checked(name: str, tensor: np.ndarray, expected: tuple[int, ...]) -> np.ndarray:
@@ -310,11 +311,9 @@ def params_to_hf(params: Params, config: Config, block: int | None = None) -> di
 def on_host(name: str, weight, block: int | None = None) -> np.ndarray | Int8Blocks:
     """A stacked weight on the host: an array, a quantized one dequantized, or its values and scales (Int8Blocks,
     our layout) where its scales cover blocks of `block` contiguous inputs."""
-    if not isinstance(weight, qwix.QArray):
-        return np.asarray(weight)
-    if block is not None and input_block(weight, contracted_axes(name)) == block:
+    if block is not None and is_quantized(weight) and input_block(weight, contracted_axes(name)) == block:
         return Int8Blocks(np.asarray(weight.qvalue), np.asarray(weight.scale, np.float32))
-    return np.asarray(qwix.dequantize(weight))
+    return np.asarray(dequantized(weight))
 
 
 def input_block(weight: qwix.QArray, contracted: tuple[int, ...]) -> int | None:
