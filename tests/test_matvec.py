@@ -13,7 +13,7 @@ import pytest
 
 import linnet_jax
 from linnet_jax.backend import decode_params, plan_for_platform
-from linnet_jax.ops import matvec
+from linnet_jax.ops import matvec, quantized
 
 from test_unrolled import prefill_then_decode
 
@@ -54,7 +54,7 @@ def test_kernels_built_against_a_newer_jaxlib_are_left_unregistered(monkeypatch)
     assert not refused and len(warned) == 1
     monkeypatch.setattr(matvec, "available", lambda: refused)
     plan = plan_for_platform("cpu")
-    assert not plan.matvec_kernels and plan.einsum is jnp.einsum
+    assert not plan.matvec_kernels and plan.einsum is quantized.einsum
 
 
 def test_kernels_that_were_not_built_are_named_in_one_warning(monkeypatch):
@@ -132,7 +132,7 @@ def test_params_on_a_mesh_keep_einsum(shardable_dir):
 import numpy as np, linnet_jax
 from linnet_jax import sharding
 model = linnet_jax.load({str(shardable_dir)!r}, mesh=sharding.mesh(data=2, tensor=4), progress=False)
-from linnet_jax.ops import matvec
+from linnet_jax.ops import matvec, quantized
 assert not model.plan.matvec_kernels and model.plan.einsum is not matvec.einsum
 one = linnet_jax.load({str(shardable_dir)!r}, progress=False)
 assert one.plan.matvec_kernels and one.plan.einsum is matvec.einsum

@@ -53,6 +53,18 @@ import numpy as np
 from safetensors.numpy import load_file
 """
 
+# linnet_jax.ops.quantized (which needs qwix) as the decoder calls it, for the float weights an export writes.
+FLOAT_PRODUCTS = '''
+class quantized:
+    """The decoder's products and embedding lookup: jax.numpy's, as this file's weights are float."""
+
+    einsum = staticmethod(jnp.einsum)
+
+    @staticmethod
+    def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+        return jnp.take(table, ids, axis=0)
+'''
+
 FLAX_DATACLASS = "@flax.struct.dataclass\n"
 PYTREE_DATACLASS = "@jax.tree_util.register_dataclass\n@dataclasses.dataclass(frozen=True)\n"
 REPLACE_METHOD = '''
@@ -175,6 +187,7 @@ def module_source(model) -> str:
     parts = [header(model), IMPORTS]
     for module, names in OPS_SOURCES.items():
         parts += section(importlib.import_module(module), names)
+    parts += [banner("linnet_jax.ops.quantized, for float weights"), FLOAT_PRODUCTS]
     parts += [banner("the configuration, inlined"), config_source(model.config)]
     for module, names in MODEL_SOURCES.items():
         parts += section(importlib.import_module(module), names)
