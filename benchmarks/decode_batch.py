@@ -1,6 +1,7 @@
 """The decode core at batch 1, 4, 16 and 64: decode-program compile time, step time and tokens/s.
 
     python benchmarks/decode_batch.py [--batches 1,4,16,64] [--prompt 128] [--new 64] [--temperature 0]
+                                      [--quantize int8]
 
 SmolLM2 float32 (the embedded default model), every row a random prompt of --prompt ids, no eos; greedy, or
 sampled at --temperature with no top-k/top-p/min-p (what an OpenAI client that sends no sampling fields gets).
@@ -18,6 +19,7 @@ from harness import timed
 import linnet_jax
 from linnet_jax.decode import decode, decode_program
 from linnet_jax.inputs import bucket, extend_rows, make_requests, make_sampling, new_slots, stop_id_array
+from linnet_jax.models.config import QUANTIZE
 
 
 def filled_state(model, batch: int, prompt: int, new: int, max_len: int, temperature: float):
@@ -51,12 +53,13 @@ def main() -> None:
     options.add_argument("--prompt", type=int, default=128)
     options.add_argument("--new", type=int, default=64)
     options.add_argument("--temperature", type=float, default=0.0)
+    options.add_argument("--quantize", default=None, choices=QUANTIZE, help="the model's weights, as load takes it")
     args = options.parse_args()
-    model = linnet_jax.load(progress=False)
+    model = linnet_jax.load(progress=False, quantize=args.quantize)
     rows = [measure(model, int(b), args.prompt, args.new, args.temperature) for b in args.batches.split(",")]
     base = rows[0]
     how = f"sampled at temperature {args.temperature}" if args.temperature else "greedy"
-    print(f"SmolLM2 float32, prompt {args.prompt} ids, {args.new} new tokens, {how}; {jax.devices()[0].platform}")
+    print(f"SmolLM2 {args.quantize or 'float32'}, prompt {args.prompt} ids, {args.new} new tokens, {how}; {jax.devices()[0].platform}")
     print("| batch | decode compile | vs batch 1 | step | tokens/s | vs batch 1 |")
     print("|---|---|---|---|---|---|")
     for r in rows:

@@ -8,8 +8,9 @@
 //
 //   linnet_xw: y[N] = x[K] · w[K, N]   (projections stored input-first)
 //   linnet_wx: y[N] = w[N, K] · x[K]   (the lm head, stored [vocab, embed])
-//   linnet_xw_int8: y[N] = x[K] · (q[K, N] scaled by s[K / G, N])   (weight-only int8: each output's inputs in
-//   linnet_wx_int8: y[N] = (q[N, K] scaled by s[N, K / G]) · x[K]    blocks of G = K / blocks, one scale a block)
+//   linnet_xw_int8: y[T, N] = x[T, K] · (q[K, N] scaled by s[K / G, N])   (weight-only int8: each output's inputs
+//   linnet_wx_int8: y[T, N] = x[T, K] · (q[N, K] scaled by s[N, K / G])ᵀ  in blocks of G, one scale a block; a few
+//                                                                         rows T share each weight's dequantization)
 
 #include <algorithm>
 #include <atomic>
@@ -31,6 +32,7 @@ namespace {
 using Vector = ffi::Buffer<ffi::F32, 1>;
 using Matrix = ffi::Buffer<ffi::F32, 2>;
 using VectorResult = ffi::ResultBuffer<ffi::F32, 1>;
+using MatrixResult = ffi::ResultBuffer<ffi::F32, 2>;
 using Int8Matrix = ffi::Buffer<ffi::S8, 2>;
 
 constexpr int64_t kMinRowsPerPart = 64;  // below this a part costs more to hand over than to run
@@ -51,18 +53,20 @@ void AccumulateRows(const float* x, const float* w, float* y, int64_t n, int64_t
 }
 
 // y[r] = w[r, 0:k] · x for r in r0..r1, eight partial sums per row.
+// row[0:k] · x[0:k], eight partial sums.
+inline float Dot(const float* row, const float* x, int64_t k) {
+  float sums[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + 8 <= k; j += 8)
+    for (int l = 0; l < 8; ++l) sums[l] += row[j + l] * x[j + l];
+  float total = 0;
+  for (; j < k; ++j) total += row[j] * x[j];
+  for (float s : sums) total += s;
+  return total;
+}
+
 void DotRows(const float* x, const float* w, float* y, int64_t k, int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* row = w + r * k;
-    float sums[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t j = 0;
-    for (; j + 8 <= k; j += 8)
-      for (int l = 0; l < 8; ++l) sums[l] += row[j + l] * x[j + l];
-    float total = 0;
-    for (; j < k; ++j) total += row[j] * x[j];
-    for (float s : sums) total += s;
-    y[r] = total;
-  }
+  for (int64_t r = r0; r < r1; ++r) y[r] = Dot(w + r * k, x, k);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -150,6 +154,62 @@ void DotInt8Rows(const float* x, const int8_t* q, const float* s, float* y, int6
   for (int64_t r = r0; r < r1; ++r) y[r] = DotInt8Row(q + r * k, s + r * (k / block), x, k, block);
 }
 
+// w[0:n] = q[0:n] · s[0:n], elementwise (one weight row dequantized; s holds each value's scale).
+inline void Dequantize(const int8_t* q, const float* s, float* w, int64_t n) {
+  int64_t j = 0;
+#ifdef LINNET_AVX2
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(w + j, _mm256_mul_ps(Int8x8(q + j), _mm256_loadu_ps(s + j)));
+#endif
+  for (; j < n; ++j) w[j] = q[j] * s[j];
+}
+
+// y[t, 0:n] = x[t, r0:r1] · (q[r0:r1, 0:n] dequantized) for t < rows (x [rows, k]), a tile of kBatchColumns
+// columns at a time (the rows' outputs for a tile stay in L1): each group of four weight rows of the tile
+// dequantized once into a buffer, then added into every row's output.
+constexpr int64_t kBatchColumns = 256;
+
+void AccumulateInt8Batch(const float* x, int64_t k, int64_t rows, const int8_t* q, const float* s, float* y, int64_t n,
+                         int64_t block, int64_t r0, int64_t r1) {
+  thread_local std::vector<float> buffer;
+  buffer.resize(4 * kBatchColumns);
+  float* w = buffer.data();
+  std::memset(y, 0, rows * n * sizeof(float));
+  for (int64_t j0 = 0; j0 < n; j0 += kBatchColumns) {
+    const int64_t width = std::min(kBatchColumns, n - j0);
+    const float *w0 = w, *w1 = w + kBatchColumns, *w2 = w1 + kBatchColumns, *w3 = w2 + kBatchColumns;
+    for (int64_t r = r0; r < r1; r += 4) {
+      const int64_t group = std::min<int64_t>(4, r1 - r);
+      for (int64_t i = 0; i < group; ++i)
+        Dequantize(q + (r + i) * n + j0, s + ((r + i) / block) * n + j0, w + i * kBatchColumns, width);
+      for (int64_t t = 0; t < rows; ++t) {
+        const float* xt = x + t * k + r;
+        float* yt = y + t * n + j0;
+        if (group == 4) {
+          for (int64_t j = 0; j < width; ++j) yt[j] += xt[0] * w0[j] + xt[1] * w1[j] + xt[2] * w2[j] + xt[3] * w3[j];
+        } else {
+          for (int64_t i = 0; i < group; ++i)
+            for (int64_t j = 0; j < width; ++j) yt[j] += xt[i] * w[i * kBatchColumns + j];
+        }
+      }
+    }
+  }
+}
+
+// y[t, r] = (q[r, 0:k] dequantized) · x[t, 0:k] for r in r0..r1 and t < rows (y [rows, n]): each weight row
+// dequantized once into a buffer, then dotted with every row of x.
+void DotInt8Batch(const float* x, int64_t rows, const int8_t* q, const float* s, float* y, int64_t n, int64_t k,
+                  int64_t block, int64_t r0, int64_t r1) {
+  thread_local std::vector<float> buffer, scales;
+  buffer.resize(k);
+  scales.resize(k);
+  const int64_t blocks = k / block;
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) std::fill_n(scales.data() + b * block, block, s[r * blocks + b]);
+    Dequantize(q + r * k, scales.data(), buffer.data(), k);
+    for (int64_t t = 0; t < rows; ++t) y[t * n + r] = Dot(buffer.data(), x + t * k, k);
+  }
+}
+
 // Runs part(i) for i in 0..parts-1 and returns when all are done. This thread and parts-1 pool tasks each
 // claim the next unclaimed part until none is left, so this thread only ever waits for parts that another
 // thread is running: when the pool is busy (or runs several products at once) it does them all itself.
@@ -202,8 +262,8 @@ void SplitInputs(ffi::ThreadPool& pool, int64_t k, int64_t n, float* out, const 
 }
 
 // dot(r0, r1) for the n output rows, split across the threads.
-template <typename Dot>
-void SplitOutputs(ffi::ThreadPool& pool, int64_t n, const Dot& dot) {
+template <typename RowsPart>
+void SplitOutputs(ffi::ThreadPool& pool, int64_t n, const RowsPart& dot) {
   const int64_t parts = Parts(pool, n);
   const int64_t step = (n + parts - 1) / parts;
   RunParts(pool, parts, [&](int64_t i) { dot(i * step, std::min(n, (i + 1) * step)); });
@@ -225,18 +285,28 @@ ffi::Error Wx(ffi::ThreadPool pool, Vector x, Matrix w, VectorResult y) {
   return ffi::Error::Success();
 }
 
-ffi::Error XwInt8(ffi::ThreadPool pool, Vector x, Int8Matrix q, Matrix s, VectorResult y) {
-  const int64_t k = q.dimensions()[0], n = q.dimensions()[1], block = k / s.dimensions()[0];
-  SplitInputs(pool, k, n, y->typed_data(), [&](float* out, int64_t r0, int64_t r1) {
-    AccumulateInt8Rows(x.typed_data(), q.typed_data(), s.typed_data(), out, n, block, r0, r1);
+// The int8 products take x [T, K] and give y [T, N]: one row through the one-row loops above, several through the
+// batch ones, which dequantize each weight once for all the rows.
+ffi::Error XwInt8(ffi::ThreadPool pool, Matrix x, Int8Matrix q, Matrix s, MatrixResult y) {
+  const int64_t rows = x.dimensions()[0], k = q.dimensions()[0], n = q.dimensions()[1], block = k / s.dimensions()[0];
+  SplitInputs(pool, k, rows * n, y->typed_data(), [&](float* out, int64_t r0, int64_t r1) {
+    if (rows == 1) {
+      AccumulateInt8Rows(x.typed_data(), q.typed_data(), s.typed_data(), out, n, block, r0, r1);
+    } else {
+      AccumulateInt8Batch(x.typed_data(), k, rows, q.typed_data(), s.typed_data(), out, n, block, r0, r1);
+    }
   });
   return ffi::Error::Success();
 }
 
-ffi::Error WxInt8(ffi::ThreadPool pool, Vector x, Int8Matrix q, Matrix s, VectorResult y) {
-  const int64_t k = q.dimensions()[1], block = k / s.dimensions()[1];
-  SplitOutputs(pool, q.dimensions()[0], [&](int64_t r0, int64_t r1) {
-    DotInt8Rows(x.typed_data(), q.typed_data(), s.typed_data(), y->typed_data(), k, block, r0, r1);
+ffi::Error WxInt8(ffi::ThreadPool pool, Matrix x, Int8Matrix q, Matrix s, MatrixResult y) {
+  const int64_t rows = x.dimensions()[0], n = q.dimensions()[0], k = q.dimensions()[1], block = k / s.dimensions()[1];
+  SplitOutputs(pool, n, [&](int64_t r0, int64_t r1) {
+    if (rows == 1) {
+      DotInt8Rows(x.typed_data(), q.typed_data(), s.typed_data(), y->typed_data(), k, block, r0, r1);
+    } else {
+      DotInt8Batch(x.typed_data(), rows, q.typed_data(), s.typed_data(), y->typed_data(), n, k, block, r0, r1);
+    }
   });
   return ffi::Error::Success();
 }
@@ -251,11 +321,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinnetWx, Wx,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     LinnetXwInt8, XwInt8,
-    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Vector>().Arg<Int8Matrix>().Arg<Matrix>().Ret<Vector>());
+    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix>().Arg<Int8Matrix>().Arg<Matrix>().Ret<Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     LinnetWxInt8, WxInt8,
-    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Vector>().Arg<Int8Matrix>().Arg<Matrix>().Ret<Vector>());
+    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix>().Arg<Int8Matrix>().Arg<Matrix>().Ret<Matrix>());
 
 // The jaxlib whose XLA FFI headers these handlers were compiled against (setup.py defines it): ops/matvec.py
 // registers them only on that jaxlib or a newer one, as an older XLA refuses a newer handler API.

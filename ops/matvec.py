@@ -3,9 +3,9 @@
 XLA:CPU runs a product under ~2 MB (a small model's q, k, v and o projections) on one core, and the
 larger ones below the bandwidth two cores reach; the kernels split every product's rows across the
 calling thread and XLA's intra-op pool (benchmarks/RESULTS.md). `einsum` takes what `jnp.einsum` takes
-and sends a product with one row of float32 activations to a kernel (float32 weights, or int8 ones with
-float32 scales in blocks of contiguous inputs: read as int8, a quarter of the bytes), anything else to
-`ops.quantized.einsum`.
+and sends a product of float32 activations to a kernel: one row with float32 weights, or a few rows (a decode
+step's) with int8 ones and float32 scales in blocks of contiguous inputs (read as int8, a quarter of the bytes,
+each weight dequantized once for all the rows); anything else goes to `ops.quantized.einsum`.
 The hardware plan chooses it (`linnet_jax.backend.Plan.einsum`, on one XLA:CPU device where
 `available()`); exports and other platforms never see a kernel.
 """
@@ -103,29 +103,36 @@ def register() -> None:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
 
 
+INT8_ROWS = 32  # the most activation rows an int8 product takes (a decode step's): each weight dequantized once for all
+
+
 def einsum(spec: str, x: jax.Array, w, **options) -> jax.Array:
-    """`ops.quantized.einsum(spec, x, w, **options)`, through a kernel when x holds one row of float32 activations
-    that contracts its trailing axes with w's leading (x · w) or trailing (w · x) axes, the output is x's free axes
-    then w's, and w is float32 or int8 with float32 scales (`kernel_scales`)."""
+    """`ops.quantized.einsum(spec, x, w, **options)`, through a kernel when x's rows of float32 activations contract
+    their trailing axes with w's leading (x · w) or trailing (w · x) axes and the output is x's free axes then w's:
+    one row with float32 weights, up to INT8_ROWS with int8 ones and float32 scales (`kernel_scales`)."""
     inputs, out = spec.split("->")
     x_axes, w_axes = inputs.split(",")
     contracted = "".join(axis for axis in x_axes if axis in w_axes and axis not in out)
     rows, k = x_axes[:len(x_axes) - len(contracted)], len(contracted)
     input_first = bool(contracted) and w_axes.startswith(contracted)  # w[K, ...]; else w[..., K] or neither
     w_free = w_axes[k:] if input_first else w_axes[:-k] if contracted and w_axes.endswith(contracted) else None
-    scales = kernel_scales(w, k, input_first) if is_quantized(w) else None
-    weight_fits = w.dtype == jnp.float32 and (scales is not None if is_quantized(w) else True)
-    if (w_free is None or not x_axes.endswith(contracted) or out != rows + w_free
-            or math.prod(x.shape[:len(rows)]) != 1 or x.dtype != jnp.float32 or not weight_fits):
+    scales = kernel_scales(w, k, input_first) if is_quantized(w) and w_free is not None else None
+    most_rows = INT8_ROWS if scales is not None else 1 if w.dtype == jnp.float32 and not is_quantized(w) else 0
+    count = math.prod(x.shape[:len(rows)])
+    if (w_free is None or not x_axes.endswith(contracted) or out != rows + w_free or x.dtype != jnp.float32
+            or not 1 <= count <= most_rows):
         return quantized_einsum(spec, x, w, **options)
     register()
     width = math.prod(x.shape[len(rows):])
     free_shape = w.shape[k:] if input_first else w.shape[:-k]
-    values = w.qvalue if scales is not None else w
-    matrix = values.reshape(width, -1) if input_first else values.reshape(-1, width)
-    target = ("linnet_xw" if input_first else "linnet_wx") + ("_int8" if scales is not None else "")
-    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((math.prod(free_shape),), jnp.float32))(
-        x.reshape(width), matrix, *(() if scales is None else (scales,)))
+    if scales is None:
+        matrix = w.reshape(width, -1) if input_first else w.reshape(-1, width)
+        y = jax.ffi.ffi_call("linnet_xw" if input_first else "linnet_wx", jax.ShapeDtypeStruct(
+            (math.prod(free_shape),), jnp.float32))(x.reshape(width), matrix)
+    else:
+        matrix = w.qvalue.reshape(width, -1) if input_first else w.qvalue.reshape(-1, width)
+        y = jax.ffi.ffi_call("linnet_xw_int8" if input_first else "linnet_wx_int8", jax.ShapeDtypeStruct(
+            (count, math.prod(free_shape)), jnp.float32))(x.reshape(count, width), matrix, scales)
     return y.reshape(*x.shape[:len(rows)], *free_shape)
 
 
