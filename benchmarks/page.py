@@ -60,6 +60,8 @@ KINDS = {
     ("decode", "linnet_jax"): Kind("JAX", True, DECODE_PEERS, "decode"),
     ("decode", "stablehlo"): Kind("JAX", True, DECODE_PEERS, "decode"),
     ("decode", "jax_source"): Kind("JAX", True, DECODE_PEERS, "decode"),
+    ("decode", "linnet_jax_int8"): Kind("JAX", True, ("llama_cpp_q8_0",), "decode"),
+    ("decode", "linnet_jax_q8_0"): Kind("JAX", True, ("llama_cpp_q8_0",), "decode"),
     ("decode", "torch_source"): Kind("PyTorch", True, ("transformers",), "decode"),
     ("decode", "torch_source_compiled"): Kind("PyTorch", True, ("transformers_compiled",), "decode"),
     ("decode", "onnx_f32"): Kind("Other", True, ("transformers",), "decode"),
@@ -76,10 +78,11 @@ KINDS = {
     ("serve", "transformers_batched"): Kind("Serving many requests"),
     ("train", "linnet_jax full"): Kind("Fine-tuning", True, ("transformers full",), "train"),
     ("train", "linnet_jax LoRA r=8"): Kind("Fine-tuning", True, ("transformers LoRA r=8",), "train"),
+    ("train", "linnet_jax QLoRA r=8 (int8)"): Kind("Fine-tuning", True, ("transformers LoRA r=8",), "train"),
     ("train", "transformers full"): Kind("Fine-tuning"),
     ("train", "transformers LoRA r=8"): Kind("Fine-tuning"),
 }
-PEER_NAMES = {"llama_cpp_f32": "llama.cpp f32", "transformers_compiled": "transformers, compiled",
+PEER_NAMES = {"llama_cpp_f32": "llama.cpp f32", "llama_cpp_q8_0": "llama.cpp Q8_0", "transformers_compiled": "transformers, compiled",
               "transformers": "transformers eager", "vllm_served": "vLLM",
               "transformers_batched": "transformers batched", "transformers full": "transformers",
               "transformers LoRA r=8": "transformers + PEFT"}

@@ -5,7 +5,9 @@
 SmolLM2-135M-Instruct in float32 (the embedded GGUF, each system loading the same file), batch 4 of 512
 random ids (seed 0, every token a target), AdamW (lr 1e-5, no weight decay, no clipping). Rows: full
 fine-tuning and LoRA r=8 (alpha 16, all seven projections), for linnet_jax (`train.make_train_step`, jitted,
-donated state) and for transformers (sdpa attention) with torch.optim.AdamW (PEFT's LoRA for the LoRA row).
+donated state) and for transformers (sdpa attention) with torch.optim.AdamW (PEFT's LoRA for the LoRA row); and
+linnet_jax's QLoRA (the same LoRA over the model loaded with quantize="int8"), against transformers' LoRA (torch has
+no int8 training on the CPU: bitsandbytes' 8-bit layers are CUDA's).
 Each row runs in its own process (so peak RSS is its own): warm-up steps (compilation included), then the
 median step time of the timed ones. tokens/s = batch × seq_len / step time. The first step's loss of each row is
 compared with transformers' on the same weights and batch (|Δloss|, the distance from the reference). Prints a
@@ -23,7 +25,10 @@ from decode import pretrained_source
 from harness import (TORCH_INSTALL, command_line, median, missing_modules, peak_rss_gib, ratio, reply_once,
                      run_worker, timed, write_json, write_results)
 
-ROWS = ("linnet_jax full", "transformers full", "linnet_jax LoRA r=8", "transformers LoRA r=8")
+ROWS = ("linnet_jax full", "transformers full", "linnet_jax LoRA r=8", "transformers LoRA r=8",
+        "linnet_jax QLoRA r=8 (int8)")
+PEERS = {"linnet_jax full": "transformers full", "linnet_jax LoRA r=8": "transformers LoRA r=8",
+         "linnet_jax QLoRA r=8 (int8)": "transformers LoRA r=8"}  # the row each is compared with
 MARKS = ("<!-- train-table:start -->", "<!-- train-table:end -->")
 LR = 1e-5
 PEFT_INSTALL = "pip install peft==0.21.2"
@@ -36,14 +41,14 @@ def batch(vocab: int, rows: int, length: int):
     return {"tokens": tokens, "loss_mask": np.ones_like(tokens)}
 
 
-def linnet_jax_steps(lora: bool, args) -> tuple[list[float], float]:
-    """(step seconds, first loss) of linnet_jax's jitted step."""
+def linnet_jax_steps(lora: bool, args, quantize: str | None = None) -> tuple[list[float], float]:
+    """(step seconds, first loss) of linnet_jax's jitted step (over the model loaded with `quantize`)."""
     import jax
 
     import linnet_jax
     from linnet_jax import train
 
-    model = linnet_jax.load(args.model_path, progress=False)
+    model = linnet_jax.load(args.model_path, quantize=quantize, progress=False)
     config = train.LoraConfig(rank=8, alpha=16) if lora else None
     optimizer = train.optimizer(LR, clip=None)
     state = train.init_state(model, optimizer, lora=config)
@@ -102,8 +107,10 @@ def timed_steps(one_step, state, args) -> tuple[list[float], float]:
 
 def child(row: str, args) -> dict:
     lora = "LoRA" in row
-    run = linnet_jax_steps if row.startswith("linnet_jax") else transformers_steps
-    times, first = run(lora, args)
+    if row.startswith("linnet_jax"):
+        times, first = linnet_jax_steps(lora, args, "int8" if "int8" in row else None)
+    else:
+        times, first = transformers_steps(lora, args)
     step = median(times)
     return {"row": row, "step_s": step, "tokens_per_s": args.batch * args.seq_len / step, "first_loss": first,
             "peak_rss_mib": peak_rss_gib() * 1024}
@@ -126,13 +133,12 @@ def run_row(row: str) -> dict:
 
 
 def compare(results: list[dict]) -> list[dict]:
-    """Each result with `vs_transformers` (its tokens/s over transformers' same kind of row) and `loss_distance`
-    (|first loss − transformers'|), None where that row did not run."""
-    reference = {r["row"].split(" ", 1)[1]: r for r in results
-                 if r["row"].startswith("transformers") and "error" not in r}
+    """Each result with `vs_transformers` (its tokens/s over its peer's, `PEERS`; transformers' rows their own) and
+    `loss_distance` (|first loss − the peer's|), None where that row did not run."""
+    reference = {r["row"]: r for r in results if r["row"].startswith("transformers") and "error" not in r}
     compared = []
     for r in results:
-        ref = None if "error" in r else reference.get(r["row"].split(" ", 1)[1])
+        ref = None if "error" in r else reference.get(PEERS.get(r["row"], r["row"]))
         compared.append(r | {"vs_transformers": ref and ratio(r["tokens_per_s"], ref["tokens_per_s"]),
                              "loss_distance": ref and abs(r["first_loss"] - ref["first_loss"])})
     return compared
