@@ -239,13 +239,14 @@ class GGUFTensors(Mapping):
             values, scales = _split_rope_rows(values, heads), _split_rope_rows(scales, heads)
         return Int8Blocks(values, scales)
 
-    def q8_0_fields(self) -> set[str]:
-        """The transformers names (a layer's index as N) whose every tensor is Q8_0: what quantize reads as stored."""
-        fields: dict[str, bool] = {}
-        for name, tensor in self._tensors.items():
-            field = re.sub(r"^model\.layers\.\d+\.", "model.layers.N.", name)
-            fields[field] = fields.get(field, True) and tensor.tensor_type == _Q.Q8_0
-        return {field for field, q8_0 in fields.items() if q8_0}
+    def q8_0_names(self) -> set[str]:
+        """The transformers names of the Q8_0 tensors whose every layer is Q8_0 (what quantize reads as stored: a
+        stacked weight is all blocks or all floats)."""
+        fields: dict[str, list[str]] = {}
+        for name in self._tensors:
+            fields.setdefault(re.sub(r"^model\.layers\.\d+\.", "", name), []).append(name)
+        return {name for names in fields.values() if all(self._tensors[n].tensor_type == _Q.Q8_0 for n in names)
+                for name in names}
 
     def __iter__(self):
         return iter(self._tensors)

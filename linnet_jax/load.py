@@ -178,12 +178,12 @@ def _load_gguf(path: Path, dtype: str | None, progress: bool, layout: Layout | N
         raise ValueError(f"{path}: {error}") from error
     check_layers(state, config.num_layers, path, f"{metadata['general.architecture']}.block_count")
 
-    blocks = state.q8_0_fields() if quantize else set()
+    blocks = state.q8_0_names() if quantize else set()
 
     def read(name: str) -> np.ndarray | Int8Blocks:
         if name not in state:
             raise ValueError(f"{path}: tensor {name!r} (in GGUF naming, its llama.cpp equivalent) is missing")
-        return state.q8_0(name) if LAYER_TENSOR.sub("model.layers.N.", name) in blocks else state[name]
+        return state.q8_0(name) if name in blocks else state[name]
 
     return _build(config, read, dtype, progress, path, Tokenizer.from_gguf_metadata(metadata), layout, quantize)
 

@@ -39,9 +39,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from linnet_jax.models import Config, KVCache
-from linnet_jax.ops.quantized import is_quantized
 from linnet_jax.models.params import (Int8Blocks, contracted_axes, flatten_params, param_axes, param_shapes,
                                       quantize_weight, unflatten_params)
+from linnet_jax.ops.quantized import is_quantized
 
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers", "batch", "seq", "cache_seq")
 MESH_AXES = ("data", "fsdp", "tensor")
