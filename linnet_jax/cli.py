@@ -110,7 +110,8 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--replica-cpus", type=positive_float, default=None,
                        help="with --replicas: the Ray CPUs each replica reserves (default 1; below 2: one compute "
                             "thread)")
-    add_finetune(commands.add_parser("finetune", parents=[source, weights], help="fine-tune on a JSON Lines file (full or LoRA)"))
+    add_finetune(commands.add_parser("finetune", parents=[source, weights],
+                                     help="fine-tune on a JSON Lines file (full, LoRA or QLoRA)"))
     evaluate = commands.add_parser("eval", parents=[source, weights], help="run lm-eval tasks on the model, in process")
     evaluate.add_argument("--tasks", required=True, help="comma-separated lm-eval task (or group) names")
     evaluate.add_argument("--include-path", default=None, metavar="DIR", help="a directory of your own task YAMLs")
@@ -203,10 +204,10 @@ def check_flags(arguments: argparse.ArgumentParser, args) -> None:
             arguments.error(f"--dtype {args.dtype} is not one of {EXPORT_DTYPES[args.format]} "
                             f"(for --format {args.format})")
         return
-    if args.command == "finetune" and args.quantize and not args.lora_rank:
-        arguments.error(f"--quantize {args.quantize} trains LoRA adapters over the quantized weights (QLoRA): it needs "
-                        "--lora-rank > 0")
     if args.command == "finetune":
+        if args.quantize and not args.lora_rank:
+            arguments.error(f"--quantize {args.quantize} trains LoRA adapters over the quantized weights (QLoRA): it "
+                            "needs --lora-rank > 0")
         if args.method != "dpo" and (args.beta is not None or args.reference_free):
             arguments.error("--beta and --reference-free are DPO's: add --method dpo")
         if args.eval_every is not None and not args.eval_tasks:
@@ -521,8 +522,8 @@ def serve_replicas(args) -> int:
     if jax.config.jax_compilation_cache_dir:  # the replicas of a local Ray instance compile into the same cache
         os.environ["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir
     cpus = {} if args.replica_cpus is None else {"cpus": args.replica_cpus}
-    application = app(args.model, replicas=args.replicas, api_key=args.api_key, dtype=args.dtype, quantize=args.quantize,
-                      max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES, **cpus, **engine_options(args))
+    application = app(args.model, replicas=args.replicas, api_key=args.api_key, dtype=args.dtype,
+                      quantize=args.quantize, max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES, **cpus, **engine_options(args))
     run(application, address=args.ray_address, host=args.host, port=args.port)
     return 0
 

@@ -41,7 +41,8 @@ def load(source=None, *, dtype=None, quantize: str | None = None, revision=None,
     quantize: "int8" keeps the products' weights (projections, embedding, lm head) as int8 values with scales
     (`qwix.QArray`s; norms, biases, attention and the cache stay in the compute dtype), a tensor at a time, so no
     float copy of the whole model exists while loading: per output channel from float weights, and a GGUF's Q8_0
-    tensors as they are stored (their blocks of 32, bit-exact). None: every weight in dtype.
+    tensors as they are stored (their blocks of 32, bit-exact); an Orbax checkpoint is quantized once loaded.
+    None: every weight in dtype.
     mesh: a jax.sharding.Mesh (`linnet_jax.sharding.mesh` or `jax.make_mesh`, axes named from data,
     fsdp, tensor) to place the weights on, each device receiving only its shard; rules: a preset
     name ("single", "dp", "fsdp", "tp", "fsdp_tp"), a rules table, or None for every rule the

@@ -10,9 +10,8 @@ import numpy as np
 
 from linnet_jax.backend import Plan, decode_params, plan_for
 from linnet_jax.models import Config, Params, forward
-from linnet_jax.models.params import (any_quantized, dequantize_params, flatten_params, quantize_params,
-                                      unflatten_params)
-from linnet_jax.sharding import placed_like, put
+from linnet_jax.models.params import any_quantized, dequantize_params, quantize_params
+from linnet_jax.sharding import placed_params, put
 
 if TYPE_CHECKING:
     from linnet_jax.sharding import Layout
@@ -51,11 +50,8 @@ class Model:
         if self.quantization:
             return self
         params = quantize_params(self.params)
-        if self.layout is not None:
-            shardings = self.layout.param_shardings(self.config)
-            params = unflatten_params({name: placed_like(weight, shardings[name])
-                                       for name, weight in flatten_params(params).items()})
-        return dataclasses.replace(self, params=params)
+        return dataclasses.replace(self, params=params if self.layout is None else
+                                   placed_params(params, self.config, self.layout))
 
     def dequantized(self) -> "Model":
         """The float model a quantized one stands for (itself when not quantized): what exports write."""

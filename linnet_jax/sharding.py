@@ -299,10 +299,14 @@ def shard(model, mesh: Mesh, rules=None):
     """`model` with its weights re-placed on `mesh` by `rules` (a preset name, a table, Rules or None:
     every rule the mesh's axis names allow); generate and logits then run sharded."""
     layout = Layout.of(mesh, rules)
-    shardings = layout.param_shardings(model.config)
-    params = unflatten_params({name: placed_like(array, shardings[name])
-                               for name, array in flatten_params(model.params).items()})
-    return dataclasses.replace(model, params=params, layout=layout)
+    return dataclasses.replace(model, params=placed_params(model.params, model.config, layout), layout=layout)
+
+
+def placed_params(params, config: Config, layout: "Layout"):
+    """Every weight of params (a quantized one too: `placed_like`) re-placed by the layout's sharding for it."""
+    shardings = layout.param_shardings(config)
+    return unflatten_params({name: placed_like(weight, shardings[name])
+                             for name, weight in flatten_params(params).items()})
 
 
 def describe(model) -> str:

@@ -25,7 +25,7 @@ import numpy as np
 import qwix
 
 from linnet_jax.models.config import Config
-from linnet_jax.ops.quantized import dequantized, is_quantized
+from linnet_jax.ops.quantized import dequantized, input_block, is_quantized
 
 
 HOST_ALIGNMENT = 64  # bytes: what XLA:CPU needs to use a host buffer in place
@@ -166,11 +166,11 @@ def quantize_weight(weight: jax.Array, contracted: tuple[int, ...], block: int |
     return qwix.quantize(weight, jnp.int8, channelwise_axes=channels, tiled_axes=tiles)
 
 
-def quantize_params(params: Params, block: int | None = None) -> Params:
-    """The same model with the products' weights (projections, embedding, lm head) quantized (`quantize_weight`);
-    stacked params only."""
+def quantize_params(params: Params) -> Params:
+    """The same model with the products' weights (projections, embedding, lm head) quantized per output channel
+    (`quantize_weight`); stacked params only."""
     return unflatten_params({name: array if (axes := contracted_axes(name)) is None or is_quantized(array)
-                             else quantize_weight(array, axes, block)
+                             else quantize_weight(array, axes)
                              for name, array in flatten_params(params).items()})
 
 
@@ -314,19 +314,6 @@ def on_host(name: str, weight, block: int | None = None) -> np.ndarray | Int8Blo
     if block is not None and is_quantized(weight) and input_block(weight, contracted_axes(name)) == block:
         return Int8Blocks(np.asarray(weight.qvalue), np.asarray(weight.scale, np.float32))
     return np.asarray(dequantized(weight))
-
-
-def input_block(weight: qwix.QArray, contracted: tuple[int, ...]) -> int | None:
-    """How many contiguous inputs share each of a quantized weight's scales, or None when its scales are not laid
-    out so (outputs sharing a scale, or blocks that are not contiguous in the flattened input)."""
-    tiles = weight.scale_tile_shape
-    if any(tiles[axis] != 1 for axis in range(weight.ndim) if axis not in contracted):
-        return None
-    if all(tiles[axis] == 1 for axis in contracted[:-1]):
-        return tiles[contracted[-1]]
-    if all(tiles[axis] == weight.shape[axis] for axis in contracted):  # one scale an output
-        return math.prod(weight.shape[axis] for axis in contracted)
-    return None
 
 
 def flatten_params(tree: Params | LayerParams, prefix: str = "") -> dict[str, jax.Array]:

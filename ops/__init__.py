@@ -9,4 +9,5 @@ from linnet_jax.ops.sampling import (SamplingParams, bitmask_words, filtered_log
                                      sample)
 
 __all__ = ["RopeScaling", "SamplingParams", "apply_rope", "attention", "bitmask_words", "filtered_logits",
-           "inverse_frequencies", "masked", "penalize_repeats", "penalized", "quantized", "rms_norm", "sample", "swiglu"]
+           "inverse_frequencies", "masked", "penalize_repeats", "penalized", "quantized", "rms_norm", "sample",
+           "swiglu"]

@@ -52,7 +52,6 @@ void AccumulateRows(const float* x, const float* w, float* y, int64_t n, int64_t
   }
 }
 
-// y[r] = w[r, 0:k] · x for r in r0..r1, eight partial sums per row.
 // row[0:k] · x[0:k], eight partial sums.
 inline float Dot(const float* row, const float* x, int64_t k) {
   float sums[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -65,6 +64,7 @@ inline float Dot(const float* row, const float* x, int64_t k) {
   return total;
 }
 
+// y[r] = w[r, 0:k] · x for r in r0..r1.
 void DotRows(const float* x, const float* w, float* y, int64_t k, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) y[r] = Dot(w + r * k, x, k);
 }

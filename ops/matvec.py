@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from linnet_jax.ops.quantized import einsum as quantized_einsum, is_quantized
+from linnet_jax.ops.quantized import einsum as quantized_einsum, input_block, is_quantized
 
 # FFI target: the library's handler symbol
 TARGETS = {"linnet_xw": "LinnetXw", "linnet_wx": "LinnetWx", "linnet_xw_int8": "LinnetXwInt8",
@@ -103,7 +103,7 @@ def register() -> None:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
 
 
-INT8_ROWS = 32  # the most activation rows an int8 product takes (a decode step's): each weight dequantized once for all
+INT8_ROWS = 32  # the most activation rows an int8 product takes (a decode step's; each weight dequantized once)
 
 
 def einsum(spec: str, x: jax.Array, w, **options) -> jax.Array:
@@ -139,16 +139,10 @@ def einsum(spec: str, x: jax.Array, w, **options) -> jax.Array:
 def kernel_scales(w, contracted: int, input_first: bool) -> jax.Array | None:
     """A quantized weight's scales as the int8 kernels take them, [blocks, N] (input first) or [N, blocks], or None
     when the kernels cannot take it: int8 values with float32 scales, one scale per output and block of contiguous
-    inputs (every input axis shares one scale, or the last one is tiled and those before it are not)."""
-    if w.qvalue.dtype != jnp.int8 or w.scale.dtype != jnp.float32 or w.zero_point is not None:
-        return None
+    inputs (`ops.quantized.input_block`)."""
     input_axes = tuple(range(contracted)) if input_first else tuple(range(w.ndim - contracted, w.ndim))
-    free = [axis for axis in range(w.ndim) if axis not in input_axes]
-    tiles = [w.scale.shape[axis] for axis in input_axes]
-    sizes = [w.shape[axis] for axis in input_axes]
-    per_output = all(w.scale.shape[axis] == w.shape[axis] for axis in free)
-    contiguous = all(t == 1 for t in tiles) or tiles[:-1] == sizes[:-1]
-    if not (per_output and contiguous):
+    if (w.qvalue.dtype != jnp.int8 or w.scale.dtype != jnp.float32 or w.zero_point is not None
+            or input_block(w, input_axes) is None):
         return None
-    n, blocks = math.prod(w.shape[axis] for axis in free), math.prod(tiles)
-    return w.scale.reshape(blocks, n) if input_first else w.scale.reshape(n, blocks)
+    blocks = math.prod(w.scale.shape[axis] for axis in input_axes)
+    return w.scale.reshape(blocks, -1) if input_first else w.scale.reshape(-1, blocks)

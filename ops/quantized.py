@@ -6,6 +6,8 @@ per-output-channel scales), an axis that divides the weight's (GGUF Q8_0's block
 tile. Its value is values × scales, in the scales' dtype: attention, norms and the cache stay in that compute dtype.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import qwix
@@ -21,6 +23,19 @@ def einsum(spec: str, x: jax.Array, w, **options) -> jax.Array:
     if is_quantized(w):
         return qwix.einsum(spec, x, w, **options)
     return jnp.einsum(spec, x, w, **options)
+
+
+def input_block(weight: qwix.QArray, contracted: tuple[int, ...]) -> int | None:
+    """How many contiguous inputs share each of a quantized weight's scales, or None when its scales are not laid
+    out so (outputs sharing a scale, or blocks that are not contiguous in the flattened input)."""
+    tiles = weight.scale_tile_shape
+    if any(tiles[axis] != 1 for axis in range(weight.ndim) if axis not in contracted):
+        return None
+    if all(tiles[axis] == 1 for axis in contracted[:-1]):
+        return tiles[contracted[-1]]
+    if all(tiles[axis] == weight.shape[axis] for axis in contracted):  # one scale an output
+        return math.prod(weight.shape[axis] for axis in contracted)
+    return None
 
 
 def take_rows(table, ids: jax.Array) -> jax.Array:

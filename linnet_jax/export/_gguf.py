@@ -27,6 +27,7 @@ def gguf(model, path, *, dtype: str = "f16", overwrite: bool = False, progress: 
     target = prepare_target(path, overwrite)
     tokenizer_metadata = model.tokenizer.gguf_metadata() if model.tokenizer is not None else None
     with staged(target) as written:
-        write_gguf(written, model.config.to_hf(), params_to_hf(model.params, model.config, block=Q8_0_BLOCK if dtype == "q8_0" else None),
-                   tensor_type=TENSOR_TYPES[dtype], tokenizer_metadata=tokenizer_metadata, progress=progress)
+        state = params_to_hf(model.params, model.config, block=Q8_0_BLOCK if dtype == "q8_0" else None)
+        write_gguf(written, model.config.to_hf(), state, tensor_type=TENSOR_TYPES[dtype],
+                   tokenizer_metadata=tokenizer_metadata, progress=progress)
     return target
