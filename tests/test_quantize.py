@@ -2,6 +2,7 @@
 tiny families and SmolLM2 against transformers, GGUF Q8_0 read and written as stored, loading's peak memory, and
 generate, the engine, sharding and lowering on a quantized model."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -257,3 +258,18 @@ def test_lowered_for_accelerators_reads_the_int8_weights(tiny_dir):
                 continue
             signature = text[text.index("func.func public @main("):text.index("->", text.index("@main("))]
             assert "xi8>" in signature and "linnet_" not in text, (platform, name)
+
+
+def test_bad_quantize_values_and_saving_a_quantized_model_are_refused(tiny_dir, tmp_path):
+    directory = tiny_dir("llama_gqa_llama3")[1]
+    with pytest.raises(ValueError, match=r"quantize must be None or one of \('int8',\), got 'int4'"):
+        linnet_jax.load(directory, quantize="int4", progress=False)
+    model = linnet_jax.load(directory, quantize="int8", progress=False)
+    with pytest.raises(ValueError, match="save keeps float weights; this model's are int8"):
+        linnet_jax.save(model, tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
+    from linnet_jax import train
+
+    with pytest.raises(ValueError, match=r"quantize must be None or one of \('int8',\), got 'nf4'"):
+        train.finetune(dataclasses.replace(model, tokenizer=object()), tmp_path / "none.jsonl", tmp_path / "out",
+                       quantize="nf4", progress=False)
