@@ -79,14 +79,17 @@ KINDS = {
     ("train", "linnet_jax full"): Kind("Fine-tuning", True, ("transformers full",), "train"),
     ("train", "linnet_jax LoRA r=8"): Kind("Fine-tuning", True, ("transformers LoRA r=8",), "train"),
     ("train", "linnet_jax QLoRA r=8 (int8)"): Kind("Fine-tuning", True, ("transformers LoRA r=8",), "train"),
+    ("train", "linnet_jax DPO LoRA r=8"): Kind("Fine-tuning", True, ("TRL DPO LoRA r=8",), "train"),
     ("train", "transformers full"): Kind("Fine-tuning"),
     ("train", "transformers LoRA r=8"): Kind("Fine-tuning"),
+    ("train", "TRL DPO LoRA r=8"): Kind("Fine-tuning"),
 }
 PEER_NAMES = {"llama_cpp_f32": "llama.cpp f32", "llama_cpp_q8_0": "llama.cpp Q8_0", "transformers_compiled": "transformers, compiled",
               "transformers": "transformers eager", "vllm_served": "vLLM",
               "transformers_batched": "transformers batched", "transformers full": "transformers",
-              "transformers LoRA r=8": "transformers + PEFT"}
-REFERENCES = {("decode", "transformers"), ("train", "transformers full"), ("train", "transformers LoRA r=8")}
+              "transformers LoRA r=8": "transformers + PEFT", "TRL DPO LoRA r=8": "TRL + PEFT"}
+REFERENCES = {("decode", "transformers"), ("train", "transformers full"), ("train", "transformers LoRA r=8"),
+              ("train", "TRL DPO LoRA r=8")}
 
 
 def kind(section: str, name: str) -> Kind:

@@ -7,7 +7,10 @@ random ids (seed 0, every token a target), AdamW (lr 1e-5, no weight decay, no c
 fine-tuning and LoRA r=8 (alpha 16, all seven projections), for linnet_jax (`train.make_train_step`, jitted,
 donated state) and for transformers (sdpa attention) with torch.optim.AdamW (PEFT's LoRA for the LoRA row); and
 linnet_jax's QLoRA (the same LoRA over the model loaded with quantize="int8"), against transformers' LoRA (torch has
-no int8 training on the CPU: bitsandbytes' 8-bit layers are CUDA's).
+no int8 training on the CPU: bitsandbytes' 8-bit layers are CUDA's); and DPO (sigmoid loss, beta 0.1) over the same
+LoRA, linnet_jax's (`make_train_step(method="dpo")`: the reference is the base with the adapters off) against TRL's
+DPOTrainer on PEFT (its `compute_loss`, whose reference is also the base with the adapters off): the batch's rows are
+pairs (chosen, rejected), each row's second half its reply.
 Each row runs in its own process (so peak RSS is its own): warm-up steps (compilation included), then the
 median step time of the timed ones. tokens/s = batch × seq_len / step time. The first step's loss of each row is
 compared with transformers' on the same weights and batch (|Δloss|, the distance from the reference). Prints a
@@ -26,22 +29,31 @@ from harness import (TORCH_INSTALL, command_line, median, missing_modules, peak_
                      run_worker, timed, write_json, write_results)
 
 ROWS = ("linnet_jax full", "transformers full", "linnet_jax LoRA r=8", "transformers LoRA r=8",
-        "linnet_jax QLoRA r=8 (int8)")
+        "linnet_jax QLoRA r=8 (int8)", "linnet_jax DPO LoRA r=8", "TRL DPO LoRA r=8")
 PEERS = {"linnet_jax full": "transformers full", "linnet_jax LoRA r=8": "transformers LoRA r=8",
-         "linnet_jax QLoRA r=8 (int8)": "transformers LoRA r=8"}  # the row each is compared with
+         "linnet_jax QLoRA r=8 (int8)": "transformers LoRA r=8",
+         "linnet_jax DPO LoRA r=8": "TRL DPO LoRA r=8"}  # the row each is compared with
+BETA = 0.1
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MARKS = ("<!-- train-table:start -->", "<!-- train-table:end -->")
 LR = 1e-5
 PEFT_INSTALL = "pip install peft==0.21.2"
+TRL_INSTALL = "pip install trl==1.16.0"
 
 
-def batch(vocab: int, rows: int, length: int):
+def batch(vocab: int, rows: int, length: int, preference: bool = False):
+    """rows × length random ids (seed 0); every token a target, or, for a preference batch, the second half of each
+    row (its reply; rows 2p and 2p + 1 the chosen and rejected replies of pair p)."""
     import numpy as np
 
     tokens = np.random.default_rng(0).integers(0, vocab, (rows, length)).astype(np.int32)
-    return {"tokens": tokens, "loss_mask": np.ones_like(tokens)}
+    mask = np.ones_like(tokens)
+    if preference:
+        mask[:, :length // 2] = 0
+    return {"tokens": tokens, "loss_mask": mask}
 
 
-def linnet_jax_steps(lora: bool, args, quantize: str | None = None) -> tuple[list[float], float]:
+def linnet_jax_steps(lora: bool, args, quantize: str | None = None, method: str = "sft") -> tuple[list[float], float]:
     """(step seconds, first loss) of linnet_jax's jitted step (over the model loaded with `quantize`)."""
     import jax
 
@@ -52,8 +64,8 @@ def linnet_jax_steps(lora: bool, args, quantize: str | None = None) -> tuple[lis
     config = train.LoraConfig(rank=8, alpha=16) if lora else None
     optimizer = train.optimizer(LR, clip=None)
     state = train.init_state(model, optimizer, lora=config)
-    step = train.make_train_step(optimizer, lora=config)
-    data = train.shard_batch(batch(model.config.vocab_size, args.batch, args.seq_len), None)
+    step = train.make_train_step(optimizer, lora=config, method=method, beta=BETA)
+    data = train.shard_batch(batch(model.config.vocab_size, args.batch, args.seq_len, method == "dpo"), None)
 
     def one_step(state):
         state, metrics = step(state, data)
@@ -62,8 +74,8 @@ def linnet_jax_steps(lora: bool, args, quantize: str | None = None) -> tuple[lis
     return timed_steps(one_step, state, args)
 
 
-def transformers_steps(lora: bool, args) -> tuple[list[float], float]:
-    """(step seconds, first loss) of transformers' model with torch.optim.AdamW."""
+def transformers_model(args):
+    """transformers' model of the benchmark's file (float32, sdpa attention), and its (source, options)."""
     import torch
     import transformers
 
@@ -73,11 +85,25 @@ def transformers_steps(lora: bool, args) -> tuple[list[float], float]:
     source, options = pretrained_source(args.model_path or default_model_path())
     model = transformers.AutoModelForCausalLM.from_pretrained(source, **options, dtype=torch.float32,
                                                               attn_implementation="sdpa")
+    return model, (source, options)
+
+
+def peft_config():
+    """PEFT's LoRA r=8, alpha 16, on the seven projections: the torch rows' adapters, as linnet_jax's LoRA rows'."""
+    import peft
+
+    return peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(TARGETS))
+
+
+def transformers_steps(lora: bool, args) -> tuple[list[float], float]:
+    """(step seconds, first loss) of transformers' model with torch.optim.AdamW."""
+    import torch
+
+    model, _ = transformers_model(args)
     if lora:
         import peft
 
-        model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=[
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        model = peft.get_peft_model(model, peft_config())
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
     data = batch(model.config.vocab_size, args.batch, args.seq_len)
@@ -86,6 +112,42 @@ def transformers_steps(lora: bool, args) -> tuple[list[float], float]:
     def one_step(state):  # None: torch's model and optimizer keep their own state
         logits = model(tokens).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return state, loss.item()
+
+    return timed_steps(one_step, None, args)
+
+
+def trl_dpo_steps(args) -> tuple[list[float], float]:
+    """(step seconds, first loss) of TRL's DPOTrainer.compute_loss over a PEFT LoRA model (the reference: the base,
+    adapters off), backward and torch.optim.AdamW."""
+    import tempfile
+
+    import torch
+    import transformers
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    model, (source, options) = transformers_model(args)
+    model.is_quantized, model.hf_quantizer = False, None  # GGUF's, though its weights are float32: Trainer refuses it
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source, **options)
+    with tempfile.TemporaryDirectory() as scratch:
+        config = DPOConfig(output_dir=scratch, beta=BETA, loss_type=["sigmoid"], report_to=[], use_cpu=True,
+                           bf16=False, logging_strategy="no", save_strategy="no")
+        trainer = DPOTrainer(model=model, args=config, peft_config=peft_config(), processing_class=tokenizer,
+                             train_dataset=Dataset.from_list([{"prompt": "a", "chosen": " b", "rejected": " c"}]))
+    trainer.model.train()
+    optimizer = torch.optim.AdamW([p for p in trainer.model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
+    data = batch(model.config.vocab_size, args.batch, args.seq_len, preference=True)
+    order = list(range(0, args.batch, 2)) + list(range(1, args.batch, 2))  # TRL's layout: chosen rows, then rejected
+    inputs = {"input_ids": torch.tensor(data["tokens"][order], dtype=torch.long),
+              "attention_mask": torch.ones(data["tokens"].shape, dtype=torch.long),
+              "completion_mask": torch.tensor(data["loss_mask"][order], dtype=torch.long)}
+
+    def one_step(state):
+        loss = trainer.compute_loss(trainer.model, inputs)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -108,7 +170,9 @@ def timed_steps(one_step, state, args) -> tuple[list[float], float]:
 def child(row: str, args) -> dict:
     lora = "LoRA" in row
     if row.startswith("linnet_jax"):
-        times, first = linnet_jax_steps(lora, args, "int8" if "int8" in row else None)
+        times, first = linnet_jax_steps(lora, args, "int8" if "int8" in row else None, "dpo" if "DPO" in row else "sft")
+    elif row.startswith("TRL"):
+        times, first = trl_dpo_steps(args)
     else:
         times, first = transformers_steps(lora, args)
     step = median(times)
@@ -120,6 +184,9 @@ def missing(row: str) -> str | None:
     """"not installed: ..." for a transformers row whose packages are absent, else None."""
     if row.startswith("linnet_jax"):
         return None
+    if row.startswith("TRL"):
+        return missing_modules(("torch", "transformers", "peft", "trl", "datasets"),
+                               f"{TORCH_INSTALL} && {PEFT_INSTALL} && {TRL_INSTALL}")
     if "LoRA" in row:
         return missing_modules(("torch", "transformers", "peft"), f"{TORCH_INSTALL} && {PEFT_INSTALL}")
     return missing_modules(("torch", "transformers"), TORCH_INSTALL)
@@ -133,9 +200,9 @@ def run_row(row: str) -> dict:
 
 
 def compare(results: list[dict]) -> list[dict]:
-    """Each result with `vs_transformers` (its tokens/s over its peer's, `PEERS`; transformers' rows their own) and
+    """Each result with `vs_transformers` (its tokens/s over its torch peer's, `PEERS`; the peers' rows their own) and
     `loss_distance` (|first loss − the peer's|), None where that row did not run."""
-    reference = {r["row"]: r for r in results if r["row"].startswith("transformers") and "error" not in r}
+    reference = {r["row"]: r for r in results if not r["row"].startswith("linnet_jax") and "error" not in r}
     compared = []
     for r in results:
         ref = None if "error" in r else reference.get(PEERS.get(r["row"], r["row"]))
@@ -146,8 +213,9 @@ def compare(results: list[dict]) -> list[dict]:
 
 def table(results: list[dict], args) -> str:
     lines = [f"SmolLM2-135M-Instruct float32, batch {args.batch} × {args.seq_len} tokens, AdamW; median of "
-             f"{args.steps} steps after {args.warmups} warm-up; {args.threads} threads.", "",
-             "| row | step (s) | tokens/s | × transformers | peak RSS (MiB) | first loss | |Δloss| vs transformers |",
+             f"{args.steps} steps after {args.warmups} warm-up; {args.threads} threads. DPO: {args.batch // 2} pairs, "
+             f"beta {BETA}.", "",
+             "| row | step (s) | tokens/s | × torch peer | peak RSS (MiB) | first loss | |Δloss| vs the peer |",
              "|---|---|---|---|---|---|---|"]
     for r in compare(results):
         if "error" in r:

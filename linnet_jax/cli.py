@@ -523,7 +523,8 @@ def serve_replicas(args) -> int:
         os.environ["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir
     cpus = {} if args.replica_cpus is None else {"cpus": args.replica_cpus}
     application = app(args.model, replicas=args.replicas, api_key=args.api_key, dtype=args.dtype,
-                      quantize=args.quantize, max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES, **cpus, **engine_options(args))
+                      quantize=args.quantize, max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES, **cpus,
+                      **engine_options(args))
     run(application, address=args.ray_address, host=args.host, port=args.port)
     return 0
 

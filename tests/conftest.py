@@ -17,8 +17,11 @@ import pytest
 # One persistent JAX compilation cache for the whole run: this process, pytest-xdist's workers and every child
 # (notebooks, the CLI, sharding and distributed workers, standalone exports, benchmark scripts) inherit it, so a
 # program one of them compiled is not compiled again by another. Made by the first process; removed at its exit.
+# Every program goes in, not only those that took JAX's default second to compile: most of the suite's programs
+# compile in under a second, and files and processes compile the same ones again and again.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="linnet-tests-jax-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 
 

@@ -97,7 +97,6 @@ def cases(kind: str, source):
         }
     return {
         "fsdp=8": lambda: linnet_jax.load(progress=False, mesh=sharding.mesh(fsdp=8), rules="fsdp"),
-        "dp=8": lambda: linnet_jax.shard(source, sharding.mesh(data=8), "dp"),
         "tp=2 (9 heads, 3 kv heads)": lambda: linnet_jax.shard(source, sharding.mesh(tensor=2), "tp"),
     }
 

@@ -67,6 +67,8 @@ OURS = {  # label -> the figures (column, unit) quick mode must have measured
     "linnet_jax `generate()`, sequential": [("Serving throughput", "tok/s")],
     "linnet_jax full": [("Fine-tuning throughput", "tok/s")],
     "linnet_jax LoRA r=8": [("Fine-tuning throughput", "tok/s")],
+    "linnet_jax QLoRA r=8 (int8)": [("Fine-tuning throughput", "tok/s")],
+    "linnet_jax DPO LoRA r=8": [("Fine-tuning throughput", "tok/s")],
 }
 
 

@@ -691,7 +691,8 @@ def test_default_max_len_is_the_model_context_when_shorter(tiny_chat_dir, tmp_pa
 
 
 def start_server(model_dir, *flags: str) -> tuple[subprocess.Popen, str]:
-    """`linnet-jax serve` on a free port (one slot of 4096 positions), up and answering: the process and its URL."""
+    """`linnet-jax serve` on a free port (one slot of 4096 positions; flags may override), up and answering: the
+    process and its URL."""
     sock = free_socket()
     port = sock.getsockname()[1]
     sock.close()
@@ -756,16 +757,8 @@ def test_a_draining_server_answers_503_and_a_second_signal_cuts_the_drain_short(
 
 
 def test_sigterm_with_requests_in_flight_exits_cleanly(tiny_chat_dir):
-    sock = free_socket()
-    port = sock.getsockname()[1]
-    sock.close()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "linnet_jax", "serve", "--model", str(tiny_chat_dir), "--port", str(port), "--slots",
-         "2", "--max-len", "4096", "--shutdown-deadline", "1", "--no-compilation-cache"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    server, url = start_server(tiny_chat_dir, "--slots", "2", "--shutdown-deadline", "1")
     try:
-        assert wait_for(lambda: server.poll() is None and reachable(url), 180), "the server did not come up"
         outcomes, streaming = [], threading.Semaphore(0)
 
         def stream():

@@ -33,7 +33,8 @@ TINY_SPLITS = {
     "dp=8": (None, 1), "tp=2": ("tensor", 2), "tp=4": ("tensor", 4), "fsdp=8": ("all", 8),
     "dp=2 x tp=4": ("tensor", 4), "jax.make_mesh dp=2 x tp=4": ("tensor", 4), "jax.make_mesh fsdp=8": ("all", 8),
 }
-SMOLLM2_SPLITS = {"fsdp=8": ("all", 8), "dp=8": (None, 1)}  # jax.make_mesh's meshes: the tiny cases
+# jax.make_mesh's meshes and data parallelism (dp=8): the tiny cases; `linnet_jax.shard` of a loaded model: tp=2 below
+SMOLLM2_SPLITS = {"fsdp=8": ("all", 8)}
 
 
 def run_worker(*args: str) -> dict:

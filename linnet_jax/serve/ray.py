@@ -141,7 +141,8 @@ def app(model=None, *, replicas: int | str = 2, slots: int = 16, max_len: int | 
         ray_actor_options={"num_cpus": cpus})
     model_name = model_name or (DEFAULT_MODEL if model is None else str(model))
     return deployment.bind(replica_source(model), dict(dtype=dtype, quantize=quantize), model_name, api_key,
-                           max_request_bytes, cpus, dict(slots=slots, max_len=max_len, max_queue=max_queue, **engine_options))
+                           max_request_bytes, cpus,
+                           dict(slots=slots, max_len=max_len, max_queue=max_queue, **engine_options))
 
 
 def replica_source(model):
