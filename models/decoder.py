@@ -117,8 +117,8 @@ def decoder_layer(
         b, t, g, head_dim = k.shape
         keys = jnp.swapaxes(k, 1, 2).reshape(b * g, t, head_dim)  # [N, T, K]
         values = jnp.transpose(v, (0, 2, 3, 1)).reshape(b * g, head_dim, t)  # [N, K, T]
-        if cache is None:
-            mixed = attention(q, keys, values, rope_positions, positions, window, segment_ids)
+        if cache is None:  # the backward pass recomputes the probabilities rather than keeping them [B, H, T, T]
+            mixed = jax.checkpoint(attention)(q, keys, values, rope_positions, positions, window, segment_ids)
         else:
             cache, keys, values = update_cache(cache, layer, keys, values, positions)
             slot_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (b, cache.max_len))  # slot i: position i

@@ -46,9 +46,13 @@ class Lora:
 
 
 def lora_term(x: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
-    """scale · B(A x): x [B, T, *I]; a [*I, R]; b [R, *O] → [B, T, *O]."""
-    low = jnp.tensordot(x, a, axes=a.ndim - 1)  # [B, T, R]
-    return jnp.tensordot(low, b, axes=1) * scale
+    """scale · B(A x): x [B, T, *I]; a [*I, R]; b [R, *O] → [B, T, *O].
+
+    The products run over the B·T tokens as one axis: the gradient of b then contracts one axis of each operand,
+    which XLA:CPU's dot takes as it lies, where over two axes (B, T) it first copied the output's gradient
+    transposed (74 against 4.5 ms for an MLP projection's adapters at 4 × 512 tokens; benchmarks/RESULTS.md)."""
+    low = jnp.tensordot(x.reshape(-1, *a.shape[:-1]), a, axes=a.ndim - 1)  # [B·T, R]
+    return (jnp.tensordot(low, b, axes=1) * scale).reshape(*x.shape[:2], *b.shape[1:])
 
 
 @flax.struct.dataclass

@@ -19,7 +19,19 @@ def is_quantized(weight) -> bool:
 
 def einsum(spec: str, x: jax.Array, w, **options) -> jax.Array:
     """jnp.einsum(spec, x, w, **options), where w may be quantized (qwix's weight-only product: the int8 values,
-    scaled, in the product; XLA fuses the scaling into the dot on GPUs and TPUs)."""
+    scaled, in the product; XLA fuses the scaling into the dot on GPUs and TPUs).
+
+    x's leading axes that w lacks and the output leads with (a batch's rows and positions, "bt" in "btd,df->btf")
+    run as one axis: the product's gradient for w then contracts one axis of each operand, which XLA:CPU's dot
+    takes as it lies, where over two it first copies the output's gradient transposed (a [2048, 1536] copy took
+    longer than the product; benchmarks/RESULTS.md)."""
+    inputs, out = spec.split("->")
+    x_axes, w_axes = inputs.split(",")
+    rows = next((n for n, (a, b) in enumerate(zip(x_axes, out)) if a != b or a in w_axes), min(len(x_axes), len(out)))
+    if rows > 1:
+        merged = x.reshape(-1, *x.shape[rows:])
+        y = einsum(f"{x_axes[rows - 1:]},{w_axes}->{out[rows - 1:]}", merged, w, **options)
+        return y.reshape(*x.shape[:rows], *y.shape[1:])
     if is_quantized(w):
         return qwix.einsum(spec, x, w, **options)
     return jnp.einsum(spec, x, w, **options)
