@@ -73,10 +73,9 @@ def token_losses(params: Params, config: Config, batch: dict, *, lora: Lora | No
         params, lora = jax.tree.map(lambda w: w.astype(compute_dtype), (params, lora), is_leaf=quantized.is_quantized)
     logits, _ = forward(params, config, tokens, positions, constrain=constrain, segment_ids=segments, lora=lora,
                         remat=remat)
-    logits = logits[:, :-1]  # [B, T-1, V]
-    targets = tokens[:, 1:]
+    targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))  # [B, T]; the last position's (0) is dropped below
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    losses = jax.nn.logsumexp(logits, axis=-1) - picked
+    losses = (jax.nn.logsumexp(logits, axis=-1) - picked)[:, :-1]  # sliced here, not the [B, T, V] logits (a copy)
     counts = batch["loss_mask"][:, 1:] > 0
     if segments is not None:
         counts &= segments[:, 1:] == segments[:, :-1]
