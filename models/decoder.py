@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from linnet_jax.models.config import Config
 from linnet_jax.models.lora import Lora, LoraTable
 from linnet_jax.models.params import LayerParams, Params
-from linnet_jax.ops import apply_rope, attention, inverse_frequencies, quantized, rms_norm, swiglu
+from linnet_jax.ops import apply_rope, attention, causal_attention, inverse_frequencies, quantized, rms_norm, swiglu
 
 
 @flax.struct.dataclass
@@ -118,7 +118,7 @@ def decoder_layer(
         keys = jnp.swapaxes(k, 1, 2).reshape(b * g, t, head_dim)  # [N, T, K]
         values = jnp.transpose(v, (0, 2, 3, 1)).reshape(b * g, head_dim, t)  # [N, K, T]
         if cache is None:  # the backward pass recomputes the probabilities rather than keeping them [B, H, T, T]
-            mixed = jax.checkpoint(attention)(q, keys, values, rope_positions, positions, window, segment_ids)
+            mixed = jax.checkpoint(causal_attention)(q, keys, values, rope_positions, positions, window, segment_ids)
         else:
             cache, keys, values = update_cache(cache, layer, keys, values, positions)
             slot_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (b, cache.max_len))  # slot i: position i

@@ -37,6 +37,9 @@ def attention_mask(q_positions: jax.Array, k_positions: jax.Array, window: jax.A
     return mask
 
 
+CAUSAL_BLOCK = 128  # query positions per block of `causal_attention`
+
+
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -52,13 +55,37 @@ def attention(
     q_positions: [B, T]; k_positions: [B, S]; segment_ids: optional [B, T] (see attention_mask).
     Returns [B, T, H, K] in q's dtype.
     """
+    return masked_attention(q, k, v, attention_mask(q_positions, k_positions, window, segment_ids))
+
+
+def causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array,
+    k_positions: jax.Array,
+    window: jax.Array | int = 0,
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
+    """`attention` where the queries and the keys are the same T tokens in order (a forward without a cache), so that
+    no query sees a later key: each block of CAUSAL_BLOCK queries reads the keys up to its own end only, which skips
+    most of the masked half (at T = 512, 3/8 of the products and of the softmax). Shapes as `attention`'s, S = T."""
+    mask = attention_mask(q_positions, k_positions, window, segment_ids)  # [B, T, T]
+    t = q.shape[1]
+    blocks = [(start, min(start + CAUSAL_BLOCK, t)) for start in range(0, t, CAUSAL_BLOCK)]
+    return jnp.concatenate([masked_attention(q[:, start:end], k[:, :end], v[:, :, :end], mask[:, start:end, :end])
+                            for start, end in blocks], axis=1)
+
+
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """`attention` with its mask given: q [B, T, H, K], k [N, S, K], v [N, K, S], mask bool [B, T, S] →
+    [B, T, H, K]."""
     b, t, h, d = q.shape
     n, s, _ = k.shape
     g = n // b
     heads = q.reshape(b, t, g, h // g, d).transpose(3, 0, 2, 1, 4).reshape(h // g, n, t, d)  # [R, N, T, K]
     scores = jnp.stack([jnp.einsum("ntk,nsk->nts", head, k, preferred_element_type=jnp.float32) for head in heads])
-    mask = attention_mask(q_positions, k_positions, window, segment_ids)[:, None]  # [B, 1, T, S]
-    scores = jnp.where(mask, scores.reshape(-1, b, g, t, s) * d**-0.5, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask[:, None], scores.reshape(-1, b, g, t, s) * d**-0.5, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(-1, n, t, s)  # [R, N, T, S]
     out = jnp.stack([jnp.einsum("nts,nks->ntk", p, v) for p in probs])  # [R, N, T, K]
     return out.reshape(-1, b, g, t, d).transpose(1, 3, 2, 0, 4).reshape(b, t, h, d)

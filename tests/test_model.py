@@ -129,3 +129,33 @@ def test_smollm2_cached_decode(smollm2):
     # Float32 summation order (cache of 288 slots vs 272 keys) at logits up to ~35: measured 6.5e-5 to 1.5e-4
     # over seeds, i.e. 20-40 ulps; a real cache bug (a wrong slot, mask or position) gives differences of ~1.
     assert diff < 2e-4
+
+
+def test_causal_attention_equals_attention_and_its_gradient():
+    """Blocked causal attention (queries past CAUSAL_BLOCK read fewer keys) equals the one-block form, values and
+    gradients, over packed documents, a sliding window and padding, at a length that leaves a partial last block."""
+    import jax
+
+    from linnet_jax.ops import attention, causal_attention
+    from linnet_jax.ops.attention import CAUSAL_BLOCK
+
+    b, t, h, g, d = 2, 2 * CAUSAL_BLOCK + 44, 4, 2, 8
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b * g, t, d)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(b * g, d, t)), jnp.float32)
+    segments = np.ones((b, t), np.int32)
+    segments[0, 150:] = 2  # two documents in row 0
+    segments[1, 250:] = 0  # padding at the end of row 1
+    positions = np.where(segments > 0, np.arange(t), -1)
+    positions[0, 150:] -= 150
+    cotangent = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+    real = (segments > 0)[:, :, None, None]
+    for window in (0, 40):
+        outputs = [jax.vjp(lambda *qkv: f(*qkv, jnp.maximum(positions, 0), positions, window, segments), q, k, v)
+                   for f in (attention, causal_attention)]
+        (blocked, blocked_vjp), (whole, whole_vjp) = outputs[1], outputs[0]
+        np.testing.assert_allclose(np.where(real, blocked, 0), np.where(real, whole, 0), atol=1e-5)
+        masked_cotangent = jnp.where(real, cotangent, 0)  # a padding query's output is not the model's
+        for got, expected in zip(blocked_vjp(masked_cotangent), whole_vjp(masked_cotangent)):
+            np.testing.assert_allclose(got, expected, atol=1e-5)
