@@ -152,11 +152,12 @@ def extend(params: Params, config: Config, slots: Slots, rows: jax.Array, tokens
     ([R]); last: [R] bool, the chunk ends the row's prompt: its first token is chosen (with its top logprobs; among
     the tokens its `allowed` mask lets through) and it runs, else it waits (FREE) for its next chunk. A chunk
     starting at 0 begins a new prompt; a later one continues the row's cache. constrain: forward's sharding constraints; plan: the hardware plan
-    (`linnet_jax.backend.Plan`) the params were made for (`Model.plan`); span: the leading slots of each row the
-    chunks read and write (at least every start + count; None: all), so that a fresh prompt's attention
-    reads its own C slots rather than max_len. lora: the adapter table (each row uses its request's entry), or
-    None."""
+    (`linnet_jax.backend.Plan`) the params were made for (`Model.plan`); span: None, or every chunk begins its
+    prompt (start 0) and the chunks read and write only their rows' first `span` slots (≥ every count), so that a
+    fresh prompt's attention reads its own C slots rather than max_len, causal over them (`forward`'s fresh).
+    lora: the adapter table (each row uses its request's entry), or None."""
     TRACES["extend"] += 1
+    fresh = span is not None
     max_len, heads, span = slots.cache.max_len, config.num_kv_heads, span or slots.cache.max_len
     cache_rows = row_cache(slots.cache, rows, heads)
     take = lambda array, index: jnp.take(array, index, axis=0, mode="fill", fill_value=0)  # noqa: E731
@@ -166,7 +167,7 @@ def extend(params: Params, config: Config, slots: Slots, rows: jax.Array, tokens
     valid = columns < count[:, None]
     positions = jnp.where(valid, start[:, None] + columns, -1)
     logits, cache = forward(params, config, tokens, positions, cache, logits_at=jnp.maximum(count - 1, 0),
-                            constrain=constrain, lora=row_adapters(lora, request), plan=plan)
+                            constrain=constrain, lora=row_adapters(lora, request), plan=plan, fresh=fresh)
     part = jax.tree.map(lambda column: take(column, rows), slots.replace(cache=None))
     seen = jnp.where((start == 0)[:, None], False, part.seen)
     seen = seen.at[jnp.arange(rows.shape[0])[:, None], tokens].max(valid)

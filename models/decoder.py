@@ -105,9 +105,10 @@ def decoder_layer(
     lora: Lora | LoraTable | None = None,
     *,
     einsum=jnp.einsum,
+    fresh: bool = False,
 ) -> tuple[jax.Array, KVCache | None]:
     """One pre-norm block: x + attention(norm(x)), then + swiglu(norm(x)). x: [B, T, D].
-    segment_ids, lora: see `forward` (lora: this layer's slices); einsum: how the projections run."""
+    segment_ids, lora, fresh: see `forward` (lora: this layer's slices); einsum: how the projections run."""
     rope_positions = jnp.maximum(positions, 0)
     inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
     with jax.named_scope("attention"):
@@ -122,7 +123,7 @@ def decoder_layer(
         else:
             cache, keys, values = update_cache(cache, layer, keys, values, positions)
             slot_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (b, cache.max_len))  # slot i: position i
-            mixed = attention(q, keys, values, rope_positions, slot_positions, window)
+            mixed = (causal_attention if fresh else attention)(q, keys, values, rope_positions, slot_positions, window)
         out = einsum("bthk,hkd->btd", mixed, lp.wo)
         out = out + lp.bo if config.o_bias else out
         x = x + (out if lora is None else lora.add(out, "wo", mixed))
@@ -145,6 +146,7 @@ def forward(
     lora: Lora | LoraTable | None = None,
     remat: bool = False,
     plan=None,
+    fresh: bool = False,
 ) -> tuple[jax.Array, KVCache | None]:
     """Logits of the next token at each new position, and the updated cache.
 
@@ -161,6 +163,8 @@ def forward(
     pass (`jax.checkpoint`).
     plan: the hardware plan (`linnet_jax.backend.Plan`, hashable: static under jit); its einsum is what the
     products run through (`ops.matvec.einsum` for decode on XLA:CPU). None: `ops.quantized.einsum`.
+    fresh (with a cache): each row's tokens are its positions 0, 1, .. in order (a prompt's first chunk; padding
+    after them), so its attention runs causal over them (`ops.causal_attention`), as a forward without a cache does.
     The embedding, the head and the projections may be quantized (`models.params.quantize_params`).
     Returns (float32 logits [B, T, V] or [B, 1, V], cache).
     """
@@ -170,7 +174,7 @@ def forward(
     activation = ("batch", "seq", "embed")  # the logical axes of x
     x = constrain(quantized.take_rows(params.embed, tokens), activation)
     einsum = quantized.einsum if plan is None else plan.einsum
-    layer_fn = functools.partial(decoder_layer, einsum=einsum)
+    layer_fn = functools.partial(decoder_layer, einsum=einsum, fresh=fresh)
     if cache is not None or isinstance(params.layers, tuple) or not (lora is None or lora.layer_major):
         layer_fn = jax.checkpoint(layer_fn, static_argnums=(2, 4, 5)) if remat else layer_fn  # unrolled: static ints
         for layer in range(config.num_layers):
