@@ -34,7 +34,7 @@ import numpy as np
 from harness import median, timed
 
 import linnet_jax
-from linnet_jax.decode import decode, extend
+from linnet_jax.decode import choose_first, decode, extend
 from linnet_jax.inputs import make_requests, make_sampling, new_slots, stop_id_array
 from linnet_jax.models.config import QUANTIZE
 from linnet_jax.models.params import unstack_layers
@@ -63,9 +63,9 @@ def prefilled(model, params, plan, steps):
     request = make_requests(make_sampling(1, 0.0, 0, 1.0, 0.0, 1.0, 0), stop_id_array(model, [], ignore_eos=True),
                             steps + 1)
     row, one = np.zeros(1, np.int32), np.ones(1, bool)
-    slots = extend(params, model.config, new_slots(model, 1, CACHE), row, np.asarray([ids], np.int32), row,
-                   np.full(1, PROMPT, np.int32), request, one, plan=plan)
-    return jax.block_until_ready(slots)
+    slots, logits = extend(params, model.config, new_slots(model, 1, CACHE), row, np.asarray([ids], np.int32), row,
+                           np.full(1, PROMPT, np.int32), request, one, plan=plan)
+    return jax.block_until_ready(choose_first(slots, row, logits))
 
 
 def run_decode(model, params, plan, slots, steps):

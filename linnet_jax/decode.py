@@ -2,9 +2,13 @@
 
 Pure functions over a decode state of B rows (`Slots`), each jitted once per shape:
 
-    extend(params, config, slots, rows [R], tokens [R, C], start [R], count [R], request, last [R]) -> Slots
+    extend(params, config, slots, rows [R], tokens [R, C], start [R], count [R], request, last [R])
+        -> (Slots, logits [R, V])
         a chunk of a prompt for each of R rows: row r's count[r] tokens at positions start[r]..,
-        written into its cache; where it ends its prompt (last), the row's first token is chosen
+        written into its cache; where it ends its prompt (last), the row runs
+    choose_first(slots, rows [R], logits [R, V]) -> Slots
+        the first token of each row that `extend` made run, from its chunk's last logits (a program of its own,
+        compiled once per R rather than once per chunk shape)
     decode(params, config, slots, steps, out_len) -> (Slots, Emitted)
         up to `steps` single-token steps over every running row, stopping early when none is left
     verify(params, config, slots, drafts [B, K], n_drafts [B]) -> (Slots, Emitted)
@@ -40,7 +44,8 @@ from linnet_jax.ops import SamplingParams, bitmask_words, masked, penalized, sam
 
 FREE, RUNNING, STOP_ID, LENGTH = -1, 0, 1, 2  # a row's finish state
 TOP_LOGPROBS = 20  # the most likely tokens reported beside each chosen one (OpenAI's top_logprobs limit)
-TRACES = {"extend": 0, "decode": 0, "verify": 0, "free": 0, "put_lora": 0}  # incremented when a program is traced
+# incremented when a program is traced
+TRACES = {"extend": 0, "choose_first": 0, "decode": 0, "verify": 0, "free": 0, "put_lora": 0}
 BIAS_SLOTS = 300  # logit bias entries per row (OpenAI's limit), padded
 ALL_ALLOWED = 0xFFFFFFFF  # a bitmask word that allows its 32 tokens
 
@@ -144,21 +149,22 @@ def row_cache(cache: KVCache, rows: jax.Array, heads: int) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=(1, 9, 10, 11), donate_argnums=(2,))
 def extend(params: Params, config: Config, slots: Slots, rows: jax.Array, tokens: jax.Array, start: jax.Array,
            count: jax.Array, request: Request, last: jax.Array, constrain=None, plan=None, span: int | None = None,
-           lora: LoraTable | None = None) -> Slots:
-    """A chunk of a prompt for each of R rows of the state, in one forward.
+           lora: LoraTable | None = None) -> tuple[Slots, jax.Array]:
+    """A chunk of a prompt for each of R rows of the state, in one forward; returns the state and each row's logits
+    at its chunk's last token [R, V] (float32), which `choose_first` turns into the first tokens of the rows it ends.
 
     rows: [R] int32, the state rows (a row ≥ B is padding: it reads zeros and writes nothing); tokens: [R, C],
     row r's first count[r] entries its prompt's tokens at positions start[r] ..; request: the rows' requests
-    ([R]); last: [R] bool, the chunk ends the row's prompt: its first token is chosen (with its top logprobs; among
-    the tokens its `allowed` mask lets through) and it runs, else it waits (FREE) for its next chunk. A chunk
-    starting at 0 begins a new prompt; a later one continues the row's cache. constrain: forward's sharding constraints; plan: the hardware plan
-    (`linnet_jax.backend.Plan`) the params were made for (`Model.plan`); span: None, or every chunk begins its
+    ([R]); last: [R] bool, the chunk ends the row's prompt: it runs (`choose_first` then chooses its first token),
+    else it waits (FREE) for its next chunk. A chunk starting at 0 begins a new prompt; a later one continues the
+    row's cache. constrain: forward's sharding constraints; plan: the hardware plan (`linnet_jax.backend.Plan`)
+    the params were made for (`Model.plan`); span: None, or every chunk begins its
     prompt (start 0) and the chunks read and write only their rows' first `span` slots (≥ every count), so that a
     fresh prompt's attention reads its own C slots rather than max_len, causal over them (`forward`'s fresh).
     lora: the adapter table (each row uses its request's entry), or None."""
     TRACES["extend"] += 1
     fresh = span is not None
-    max_len, heads, span = slots.cache.max_len, config.num_kv_heads, span or slots.cache.max_len
+    heads, span = config.num_kv_heads, span or slots.cache.max_len
     cache_rows = row_cache(slots.cache, rows, heads)
     take = lambda array, index: jnp.take(array, index, axis=0, mode="fill", fill_value=0)  # noqa: E731
     cache = KVCache(k=tuple(take(layer, cache_rows)[:, :span] for layer in slots.cache.k),
@@ -173,12 +179,31 @@ def extend(params: Params, config: Config, slots: Slots, rows: jax.Array, tokens
     seen = seen.at[jnp.arange(rows.shape[0])[:, None], tokens].max(valid)
     part = part.replace(request=request, seen=seen, generated=jnp.zeros_like(part.generated), length=start + count,
                         count=jnp.zeros_like(count), finish=jnp.where(last, RUNNING, FREE).astype(jnp.int32))
-    part = choose(part, logits[:, 0], max_len, top=True)
-    state = jax.tree.map(lambda whole, new: whole.at[rows].set(new, mode="drop"), slots.replace(cache=None),
-                         part.replace(cache=None))
+    state = with_rows(slots.replace(cache=None), rows, part)
     return state.replace(cache=KVCache(
         k=tuple(whole.at[cache_rows, :span].set(new, mode="drop") for whole, new in zip(slots.cache.k, cache.k)),
-        v=tuple(whole.at[cache_rows, :, :span].set(new, mode="drop") for whole, new in zip(slots.cache.v, cache.v))))
+        v=tuple(whole.at[cache_rows, :, :span].set(new, mode="drop") for whole, new in zip(slots.cache.v, cache.v)))
+    ), logits[:, 0]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def choose_first(slots: Slots, rows: jax.Array, logits: jax.Array) -> Slots:
+    """The first token of each of R rows that `extend` made run (with its top logprobs; among the tokens its
+    `allowed` mask lets through), from its logits [R, V]; rows: [R] int32, as extend's (≥ B: padding). A program of
+    its own: the sampler compiles once per R, not once per extend shape."""
+    TRACES["choose_first"] += 1
+    part = jax.tree.map(lambda column: jnp.take(column, rows, axis=0, mode="fill", fill_value=0),
+                        slots.replace(cache=None))
+    chosen = choose(part.replace(finish=jnp.where(rows < slots.token.shape[0], part.finish, FREE)), logits,
+                    slots.cache.max_len, top=True)
+    return with_rows(slots, rows, chosen)
+
+
+def with_rows(slots: Slots, rows: jax.Array, part: Slots) -> Slots:
+    """slots with rows [R] (≥ B: dropped) replaced by part's (every field but the cache, which stays slots')."""
+    state = jax.tree.map(lambda whole, new: whole.at[rows].set(new, mode="drop"), slots.replace(cache=None),
+                         part.replace(cache=None))
+    return state.replace(cache=slots.cache)
 
 
 def decode(params: Params, config: Config, slots: Slots, steps: jax.Array, out_len: int,

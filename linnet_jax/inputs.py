@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet_jax.decode import BIAS_SLOTS, Request, Slots, empty_slots, extend
+from linnet_jax.decode import BIAS_SLOTS, Request, Slots, choose_first, empty_slots, extend
 from linnet_jax.loaded import Model, as_token_batch
 from linnet_jax.ops import SamplingParams
 
@@ -61,10 +61,10 @@ def new_slots(model: Model, batch: int, max_len: int) -> Slots:
 def extend_rows(model: Model, slots: Slots, rows: list[int], chunks: list[list[int]], starts: list[int],
                 requests: list[Request], last: list[bool], height: int | None = None, width: int | None = None,
                 lora=None) -> Slots:
-    """Prompt chunks into rows of the decode state in one `extend` dispatch: chunk i (its tokens at positions
-    starts[i] ..) into row rows[i], with its request (one row each); last[i]: it ends its prompt (the row's
-    first token is chosen). Padded to `height` rows (padding rows write nothing) and `width` columns; by
-    default the rows given and the bucket of the longest chunk. Chunks that all begin their prompts read and
+    """Prompt chunks into rows of the decode state in one `extend` dispatch, then `choose_first`: chunk i (its
+    tokens at positions starts[i] ..) into row rows[i], with its request (one row each); last[i]: it ends its
+    prompt (the row's first token is chosen). Padded to `height` rows (padding rows write nothing) and `width`
+    columns; by default the rows given and the bucket of the longest chunk. Chunks that all begin their prompts read and
     write only their rows' first `width` slots. lora: the adapter table (`models.lora.LoraTable`) or None."""
     height, width = height or len(rows), width or bucket(max(map(len, chunks)), slots.cache.max_len)
     padding = height - len(rows)
@@ -73,10 +73,12 @@ def extend_rows(model: Model, slots: Slots, rows: list[int], chunks: list[list[i
         tokens[row, :len(chunk)] = chunk
     column = lambda values, fill, dtype: np.asarray(list(values) + [fill] * padding, dtype)  # noqa: E731
     request = jax.tree.map(lambda *columns: np.concatenate(columns), *requests, *[requests[0]] * padding)
-    return extend(model.decode_params, model.config, slots, column(rows, slots.token.shape[0], np.int32), tokens,
-                  column(starts, 0, np.int32), column(map(len, chunks), 0, np.int32), request,
-                  column(last, False, bool), model.layout and model.layout.constrain, model.plan,
-                  width if not any(starts) else None, lora=lora)
+    row_ids = column(rows, slots.token.shape[0], np.int32)
+    slots, logits = extend(model.decode_params, model.config, slots, row_ids, tokens, column(starts, 0, np.int32),
+                           column(map(len, chunks), 0, np.int32), request, column(last, False, bool),
+                           model.layout and model.layout.constrain, model.plan, width if not any(starts) else None,
+                           lora=lora)
+    return choose_first(slots, row_ids, logits)
 
 
 # --- prompts --------------------------------------------------------------------------------------------------

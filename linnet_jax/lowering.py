@@ -2,10 +2,11 @@
 
 The programs are the ones `generate`, `serve.Engine` and a train step compile: `extend_{C}` (a prompt's
 first chunk of C tokens, reading its own C slots) and `extend_{C}_continued` (a later chunk, reading the
-row's max_len slots) for each chunk bucket C up to the engine's prefill_chunk, `decode`, `verify` (n-gram
-drafts), `free`, and `train_step` (AdamW, full fine-tuning); and, for an engine serving LoRA adapters, each
-extend, decode and verify again as `{name}_lora` (taking the engine's adapter table: its default max_loras
-adapters and the base, at its default max_lora_rank) and `put_lora` (an adapter written into the table).
+row's max_len slots) for each chunk bucket C up to the engine's prefill_chunk, `choose_first` (the first
+token of the prompts a chunk ends), `decode`, `verify` (n-gram drafts), `free`, and `train_step` (AdamW, full
+fine-tuning); and, for an engine serving LoRA adapters, each extend, decode and verify again as `{name}_lora`
+(taking the engine's adapter table: its default max_loras adapters and the base, at its default max_lora_rank)
+and `put_lora` (an adapter written into the table).
 Each takes what it takes on that platform under its hardware plan (`linnet_jax.backend`): on a GPU or
 TPU the stacked `[layers, ...]` weights, sliced inside the program, and XLA's own products. Nothing is
 placed on a device: the arguments are shapes (`jax.ShapeDtypeStruct`) and `Traced.lower` takes the
@@ -19,7 +20,7 @@ import optax
 
 from linnet_jax.adapters import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, put_entry
 from linnet_jax.backend import decode_params, plan_for_platform
-from linnet_jax.decode import decode_program, empty_slots, extend, free, verify
+from linnet_jax.decode import choose_first, decode_program, empty_slots, extend, free, verify
 from linnet_jax.inputs import MIN_BUCKET, STOP_ID_SLOTS, buckets, make_requests, make_sampling
 from linnet_jax.loaded import Model
 from linnet_jax.models.config import Config
@@ -69,6 +70,8 @@ def lowered(model: Model, platform: str, *, batch: int = 1, max_len: int = 1024)
             params, config, slots, slot, DECODE_STEPS, plan=plan, lora=lora)
         programs[f"verify{suffix}"] = verify.trace(params, config, slots, drafts,
                                                    jax.ShapeDtypeStruct((batch,), jnp.int32), plan=plan, lora=lora)
+    programs["choose_first"] = choose_first.trace(slots, row, jax.ShapeDtypeStruct((1, config.vocab_size),
+                                                                                 jnp.float32))
     programs["free"] = free.trace(slots, slot)
     entry = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), table)  # one entry's a, b, scale
     programs["put_lora"] = put_entry.trace(table, slot, entry.a, entry.b, entry.scale)
