@@ -194,9 +194,7 @@ def choose_first(slots: Slots, rows: jax.Array, logits: jax.Array) -> Slots:
     TRACES["choose_first"] += 1
     part = jax.tree.map(lambda column: jnp.take(column, rows, axis=0, mode="fill", fill_value=0),
                         slots.replace(cache=None))
-    chosen = choose(part.replace(finish=jnp.where(rows < slots.token.shape[0], part.finish, FREE)), logits,
-                    slots.cache.max_len, top=True)
-    return with_rows(slots, rows, chosen)
+    return with_rows(slots, rows, choose(part, logits, slots.cache.max_len, top=True))  # padding rows: dropped
 
 
 def with_rows(slots: Slots, rows: jax.Array, part: Slots) -> Slots:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from linnet_jax.models.config import Config
 from linnet_jax.models.lora import Lora, LoraTable
 from linnet_jax.models.params import LayerParams, Params
-from linnet_jax.ops import apply_rope, attention, causal_attention, inverse_frequencies, quantized, rms_norm, swiglu
+from linnet_jax.ops import apply_rope, attention, inverse_frequencies, quantized, rms_norm, swiglu
 
 
 @flax.struct.dataclass
@@ -119,11 +119,12 @@ def decoder_layer(
         keys = jnp.swapaxes(k, 1, 2).reshape(b * g, t, head_dim)  # [N, T, K]
         values = jnp.transpose(v, (0, 2, 3, 1)).reshape(b * g, head_dim, t)  # [N, K, T]
         if cache is None:  # the backward pass recomputes the probabilities rather than keeping them [B, H, T, T]
-            mixed = jax.checkpoint(causal_attention)(q, keys, values, rope_positions, positions, window, segment_ids)
+            mixed = jax.checkpoint(functools.partial(attention, causal=True))(q, keys, values, rope_positions,
+                                                                         positions, window, segment_ids)
         else:
             cache, keys, values = update_cache(cache, layer, keys, values, positions)
             slot_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (b, cache.max_len))  # slot i: position i
-            mixed = (causal_attention if fresh else attention)(q, keys, values, rope_positions, slot_positions, window)
+            mixed = attention(q, keys, values, rope_positions, slot_positions, window, causal=fresh)
         out = einsum("bthk,hkd->btd", mixed, lp.wo)
         out = out + lp.bo if config.o_bias else out
         x = x + (out if lora is None else lora.add(out, "wo", mixed))
@@ -164,7 +165,7 @@ def forward(
     plan: the hardware plan (`linnet_jax.backend.Plan`, hashable: static under jit); its einsum is what the
     products run through (`ops.matvec.einsum` for decode on XLA:CPU). None: `ops.quantized.einsum`.
     fresh (with a cache): each row's tokens are its positions 0, 1, .. in order (a prompt's first chunk; padding
-    after them), so its attention runs causal over them (`ops.causal_attention`), as a forward without a cache does.
+    after them), so its attention runs causal over them (`ops.attention`'s causal), as a forward without a cache does.
     The embedding, the head and the projections may be quantized (`models.params.quantize_params`).
     Returns (float32 logits [B, T, V] or [B, 1, V], cache).
     """

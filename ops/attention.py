@@ -37,7 +37,7 @@ def attention_mask(q_positions: jax.Array, k_positions: jax.Array, window: jax.A
     return mask
 
 
-CAUSAL_BLOCK = 128  # query positions per block of `causal_attention`
+CAUSAL_BLOCK = 128  # query positions per block of a causal `attention`
 
 
 def attention(
@@ -48,29 +48,20 @@ def attention(
     k_positions: jax.Array,
     window: jax.Array | int = 0,
     segment_ids: jax.Array | None = None,
+    causal: bool = False,
 ) -> jax.Array:
     """Softmax attention of H query heads over G key/value heads, softmax in float32.
 
     q: [B, T, H, K]; k: [N, S, K] and v: [N, K, S] with N = B * G (row b * G + g);
     q_positions: [B, T]; k_positions: [B, S]; segment_ids: optional [B, T] (see attention_mask).
+    causal (static): the queries are the first T keys' tokens, in order (a forward without a cache, or a prompt's
+    first chunk), so no query sees a later key: each block of CAUSAL_BLOCK queries reads the keys up to its own end
+    only, which skips most of the masked half (at T = 512, 3/8 of the products and of the softmax).
     Returns [B, T, H, K] in q's dtype.
     """
-    return masked_attention(q, k, v, attention_mask(q_positions, k_positions, window, segment_ids))
-
-
-def causal_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    q_positions: jax.Array,
-    k_positions: jax.Array,
-    window: jax.Array | int = 0,
-    segment_ids: jax.Array | None = None,
-) -> jax.Array:
-    """`attention` where the queries and the keys are the same T tokens in order (a forward without a cache), so that
-    no query sees a later key: each block of CAUSAL_BLOCK queries reads the keys up to its own end only, which skips
-    most of the masked half (at T = 512, 3/8 of the products and of the softmax). Shapes as `attention`'s, S = T."""
-    mask = attention_mask(q_positions, k_positions, window, segment_ids)  # [B, T, T]
+    mask = attention_mask(q_positions, k_positions, window, segment_ids)  # [B, T, S]
+    if not causal:
+        return masked_attention(q, k, v, mask)
     t = q.shape[1]
     blocks = [(start, min(start + CAUSAL_BLOCK, t)) for start in range(0, t, CAUSAL_BLOCK)]
     return jnp.concatenate([masked_attention(q[:, start:end], k[:, :end], v[:, :, :end], mask[:, start:end, :end])

@@ -136,7 +136,7 @@ def test_causal_attention_equals_attention_and_its_gradient():
     gradients, over packed documents, a sliding window and padding, at a length that leaves a partial last block."""
     import jax
 
-    from linnet_jax.ops import attention, causal_attention
+    from linnet_jax.ops import attention
     from linnet_jax.ops.attention import CAUSAL_BLOCK
 
     b, t, h, g, d = 2, 2 * CAUSAL_BLOCK + 44, 4, 2, 8
@@ -152,8 +152,8 @@ def test_causal_attention_equals_attention_and_its_gradient():
     cotangent = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
     real = (segments > 0)[:, :, None, None]
     for window in (0, 40):
-        outputs = [jax.vjp(lambda *qkv: f(*qkv, jnp.maximum(positions, 0), positions, window, segments), q, k, v)
-                   for f in (attention, causal_attention)]
+        outputs = [jax.vjp(lambda *qkv: attention(*qkv, jnp.maximum(positions, 0), positions, window, segments,
+                                                 causal=causal), q, k, v) for causal in (False, True)]
         (blocked, blocked_vjp), (whole, whole_vjp) = outputs[1], outputs[0]
         np.testing.assert_allclose(np.where(real, blocked, 0), np.where(real, whole, 0), atol=1e-5)
         masked_cotangent = jnp.where(real, cotangent, 0)  # a padding query's output is not the model's
