@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 from conftest import TINY_CONFIGS, record_parity, reference_logits
 from standalone import BLOCKED, imported_modules, run_python
 
@@ -161,7 +162,8 @@ def test_smollm2_exports_run_standalone(smollm2, smollm2_reference, smollm2_prom
 
 def test_torch_compile_gives_the_same_tokens_without_graph_breaks(tiny_models, tmp_path):
     """torch.compile (inductor) of load_weights() runs through the same generate to the same ids; a decode step
-    is one graph (torch._dynamo.explain: no break), so CUDA graphs can take it."""
+    is one graph (torch._dynamo.explain: no break), so CUDA graphs can take it, and it writes the cache in place
+    (no buffer of a cache tensor's shape in inductor's code: a scatter_ there made it copy every layer's cache)."""
     model = tiny_models["mistral_sliding"][1]
     module = load_module(export.torch_source(model, tmp_path / "src", max_len=TINY_MAX_LEN) / "model.py")
     params = module.load_weights()
@@ -170,6 +172,10 @@ def test_torch_compile_gives_the_same_tokens_without_graph_breaks(tiny_models, t
     keys, values = params.init_cache()
     explained = torch._dynamo.explain(params)(torch.tensor([[5]]), torch.tensor([[3]]), keys, values)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        _, code = run_and_get_code(torch.compile(params), torch.tensor([[5]]), torch.tensor([[3]]), keys, values)
+    assert not [t.shape for t in (keys[0], values[0]) if f"empty_strided_cpu({tuple(t.shape)}" in "\n".join(code)]
     torch._dynamo.reset()
     assert module.generate(torch.compile(params), TINY_PROMPT, max_new_tokens=NEW, stop_ids=()) == eager
 

@@ -46,7 +46,8 @@ def onnx(model, out_dir, *, dtype: str = "float32", max_len: int = 1024, overwri
     """Write `model` as ONNX in the directory out_dir; returns its path.
 
     Writes prefill.onnx (tokens, positions int64 [1, T], any T) and decode.onnx ([1, 1]), both taking and
-    returning the cache per layer (k.0 .. v.{L-1}, [1, G, max_len + 1, K]) and returning float32 logits [1, V]
+    returning the cache per layer (k.0 .. k.{L-1} [1, G, K, max_len + 1], v.0 .. v.{L-1} [1, G, max_len + 1, K],
+    the generated PyTorch decoder's layout) and returning float32 logits [1, V]
     of the last column; weights.data (their weights, once); manifest.json; runner.py (`load_weights()`,
     `generate(params, ids, max_new_tokens, stop_ids)`); the config and tokenizer files. dtype: "float32" or
     "float16", the weights' and the cache's. overwrite: an existing non-empty out_dir is a FileExistsError
@@ -59,10 +60,11 @@ def onnx(model, out_dir, *, dtype: str = "float32", max_len: int = 1024, overwri
     check_max_len(model.config, max_len)
     target = prepare_target(out_dir, overwrite)
     with staged(target, OUTPUTS) as written, tempfile.TemporaryDirectory(dir=written.parent) as scratch:
-        graphs = export_graphs(decoder_module(model, dtype, max_len), model.config, max_len, Path(scratch))
+        module = decoder_module(model, dtype, max_len)
+        graphs = export_graphs(module, model.config, max_len, Path(scratch))
         share_weights(graphs, written)
         shutil.copyfile(Path(__file__).with_name("onnx_runner.py"), written / RUNNER)
-        write_json(written / MANIFEST, manifest(model, dtype, max_len))
+        write_json(written / MANIFEST, manifest(model, dtype, max_len, module.decoder.init_cache(1, max_len)))
         write_model_files(written, model.config, model.tokenizer)
     return target
 
@@ -176,11 +178,12 @@ def external_bytes(tensor, directory: Path) -> bytes:
         return file.read(int(info["length"])) if "length" in info else file.read()
 
 
-def manifest(model, dtype: str, max_len: int) -> dict:
-    """What runner.py reads: the graphs, the weights file, the cache's shape and dtype, the EOS ids."""
+def manifest(model, dtype: str, max_len: int, cache) -> dict:
+    """What runner.py reads: the graphs, the weights file, the cache's shapes (those of `cache`, the decoder's
+    (keys, values) lists) and dtype, the EOS ids."""
     config = model.config
     eos = generation_config(config, model.tokenizer).get("eos_token_id", [])
     return {"format": "linnet_jax ONNX export", "linnet_jax": __version__, "architecture": config.architecture,
             "graphs": GRAPHS, "weights": WEIGHTS, "dtype": dtype, "max_len": max_len, "num_layers": config.num_layers,
             "vocab_size": config.vocab_size, "eos_token_ids": eos if isinstance(eos, list) else [eos],
-            "cache": {"shape": [1, config.num_kv_heads, max_len + 1, config.head_dim], "dtype": dtype}}
+            "cache": {"k": list(cache[0][0].shape), "v": list(cache[1][0].shape), "dtype": dtype}}

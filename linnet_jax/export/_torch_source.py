@@ -6,9 +6,10 @@ weights' names and shapes are linnet_jax's declarations (`LAYER_SHAPES`, `SHAPES
 has, in linnet_jax's input-first layout), and the PyTorch decoder below (`MODEL`) branches on those constants
 only. A config field the decoder does not read is refused at export (`READ_FIELDS`), never dropped silently.
 
-The decoder keeps a static KV cache, per layer [B, G, S + 1, K]: slot p holds position p, the last slot takes the
-writes of padding (position -1) and is never seen. A step (`Decoder.forward`) writes the cache in place and makes
-no host sync, so `torch.compile` (inductor, CUDA graphs) takes it whole; `generate` syncs once per token,
+The decoder keeps a static KV cache, per layer keys [B, G, K, S + 1] (slots last: the scores' product reads them
+as they lie) and values [B, G, S + 1, K]: slot p holds position p, the last slot takes the writes of padding
+(position -1) and is never seen. A step (`Decoder.forward`) writes the cache in place by indexed assignment (which
+inductor keeps in place: a scatter_ made it copy every layer's cache each step) and makes no host sync, so `torch.compile` (inductor, CUDA graphs) takes it whole; `generate` syncs once per token,
 between steps, to test the stop ids.
 """
 
@@ -95,8 +96,8 @@ class Layer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 write: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """x + attention(norm(x)), then + swiglu(norm(x)). x [B, T, D]; cos, sin [B, T, 1, K/2]; mask bool
-        [B, 1, 1, T, S + 1], which slots each query sees; write [B, 1, T, 1], the slot of each new token;
-        keys, values [B, G, S + 1, K]: this layer's cache, written in place. Returns [B, T, D]."""
+        [B, 1, 1, T, S + 1], which slots each query sees; write [B, T], the slot of each new token; keys
+        [B, G, K, S + 1], values [B, G, S + 1, K]: this layer's cache, written in place. Returns [B, T, D]."""
         b, t, _ = x.shape
         g, d = CONFIG.num_kv_heads, CONFIG.head_dim
         r = CONFIG.num_heads // g  # query heads per key/value head: head h reads key/value head h // r
@@ -107,11 +108,11 @@ class Layer(nn.Module):
         if CONFIG.qk_norm:
             q, k = rms_norm(q, self.q_norm, CONFIG.rms_norm_eps), rms_norm(k, self.k_norm, CONFIG.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        index = write.expand(b, g, t, d)
-        keys.scatter_(2, index, k.transpose(1, 2).to(keys.dtype))
-        values.scatter_(2, index, v.transpose(1, 2).to(values.dtype))
+        rows = torch.arange(b, device=x.device)[:, None]  # [B, 1]
+        keys[rows, :, :, write] = k.to(keys.dtype)  # k [B, T, G, K] into each row's slots write[b]
+        values[rows, :, write] = v.to(values.dtype)
         grouped = q.view(b, t, g, r, d).permute(0, 2, 3, 1, 4).reshape(b, g, r * t, d)  # [B, G, R*T, K]
-        scores = (grouped @ keys.transpose(2, 3)).float().view(b, g, r, t, -1) * d**-0.5  # [B, G, R, T, S+1]
+        scores = (grouped @ keys).float().view(b, g, r, t, -1) * d**-0.5  # [B, G, R, T, S+1]
         scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
         probs = scores.softmax(-1).to(values.dtype).view(b, g, r * t, -1)
         mixed = (probs @ values).view(b, g, r, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, g * r, d)  # [B, T, H, K]
@@ -133,11 +134,12 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq", torch.from_numpy(inv_freq), persistent=False)  # float32 [K/2]
 
     def init_cache(self, batch: int = 1, max_len: int = MAX_LEN) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """An empty cache of max_len slots per row (and one for padding's writes): (keys, values), each a list of
-        L zero tensors [batch, G, max_len + 1, K] in the weights' dtype, on their device."""
-        shape = (batch, CONFIG.num_kv_heads, max_len + 1, CONFIG.head_dim)
-        empty = lambda: torch.zeros(shape, dtype=self.embed.dtype, device=self.embed.device)  # noqa: E731
-        return [empty() for _ in self.layers], [empty() for _ in self.layers]
+        """An empty cache of max_len slots per row (and one for padding's writes): (keys, values), lists of L zero
+        tensors, keys [batch, G, K, max_len + 1] and values [batch, G, max_len + 1, K], in the weights' dtype, on
+        their device."""
+        g, slots, d = CONFIG.num_kv_heads, max_len + 1, CONFIG.head_dim
+        empty = lambda *shape: torch.zeros(shape, dtype=self.embed.dtype, device=self.embed.device)  # noqa: E731
+        return [empty(batch, g, d, slots) for _ in self.layers], [empty(batch, g, slots, d) for _ in self.layers]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                 values: list[torch.Tensor]) -> torch.Tensor:
@@ -146,12 +148,12 @@ class Decoder(nn.Module):
         p goes to slot p and sees slots 0 .. p (the window's only, under a sliding window). Returns the float32
         logits [B, V] of the last column. No host sync: one step is one graph for torch.compile."""
         x = F.embedding(tokens, self.embed)
-        slots = torch.arange(keys[0].shape[2], device=tokens.device)  # slot i holds position i
+        slots = torch.arange(values[0].shape[2], device=tokens.device)  # slot i holds position i
         at = positions[:, :, None]  # [B, T, 1]
         seen = (slots <= at)[:, None, None]  # [B, 1, 1, T, S + 1]; the padding slot (S) is past every position
         masks = {window: seen if window == 0 else seen & (at - slots < window)[:, None, None]
                  for window in dict.fromkeys(CONFIG.layer_windows)}
-        write = torch.where(positions >= 0, positions, slots.shape[0] - 1)[:, None, :, None]  # [B, 1, T, 1]
+        write = torch.where(positions >= 0, positions, slots.shape[0] - 1)  # [B, T]
         angles = positions.clamp(min=0).float()[:, :, None] * self.inv_freq  # [B, T, K/2]
         cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
         for layer, k, v in zip(self.layers, keys, values):

@@ -64,9 +64,10 @@ def bucket(n: int) -> int:
 
 
 def empty_cache(manifest: dict) -> dict[str, np.ndarray]:
-    """Zero keys and values for every layer: {"k.0": [1, G, S + 1, K], ..., "v.0": ...} in the cache's dtype."""
+    """Zero keys and values for every layer: {"k.0": [1, G, K, S + 1], ..., "v.0": [1, G, S + 1, K], ...} in the
+    cache's dtype."""
     cache = manifest["cache"]
-    return {f"{kv}.{layer}": np.zeros(cache["shape"], cache["dtype"])
+    return {f"{kv}.{layer}": np.zeros(cache[kv], cache["dtype"])
             for kv in "kv" for layer in range(manifest["num_layers"])}
 
 
