@@ -156,6 +156,10 @@ def test_generate_speculative_gives_the_same_tokens_in_fewer_steps(model, monkey
     fast = generate(model, tokens=prompts[:1], max_new_tokens=40, ignore_eos=True, speculative=NGRAM)
     assert fast == generate(model, tokens=prompts[:1], max_new_tokens=40, ignore_eos=True)
     assert 0 < len(calls) < 30  # 39 tokens after the first in fewer than 30 steps
+    monkeypatch.setattr(module, "propose", lambda *args: [])
+    calls.clear()  # no row has a draft: plain steps, never a verify
+    assert generate(model, tokens=prompts, max_new_tokens=40, ignore_eos=True, speculative=NGRAM) == generate(
+        model, tokens=prompts, max_new_tokens=40, ignore_eos=True) and not calls
     with pytest.raises(RequestError, match="method 'eagle' is not supported"):
         generate(model, tokens=prompts, speculative={"method": "eagle"})
     with pytest.raises(RequestError, match="num_speculative_tokens must be a positive int"):

@@ -11,8 +11,8 @@
 
 The graphs (manifest.json says their files, the cache's shape and dtype): `prefill.onnx` takes tokens and
 positions int64 [1, T] (any T; position -1 is padding, attending to nothing) and `decode.onnx` [1, 1]; both take
-the cache per layer, k.0 .. k.{L-1} and v.0 .. v.{L-1}, each [1, G, S + 1, K] (slot p holds position p, slot S
-takes padding's writes), and return the float32 logits [1, V] of the last column and the cache written
+the cache per layer, k.0 .. k.{L-1} [1, G, K, S + 1] and v.0 .. v.{L-1} [1, G, S + 1, K] (slot p holds position
+p, slot S takes padding's writes), and return the float32 logits [1, V] of the last column and the cache written
 (k_out.*, v_out.*). Both read the weights from one file (manifest "weights").
 """
 
