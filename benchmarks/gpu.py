@@ -31,17 +31,23 @@ section), run in the order given, their rows printed as each ends:
   random weights, then in this one, without linnet_jax: the export's own load.py (`Export.greedy_ids`)
   deserializes the programs, reads the weights from the export's safetensors file and chooses greedy tokens on
   the device. Its greedy ids are compared with batch1's (same seed, same weights: they should agree).
+- torch_source: `linnet_jax.export.torch_source` (the generated PyTorch model.py, max_len 640) written by a
+  child process from the same random weights, then its `load_weights(device="cuda")` and
+  `torch.compile(module, mode=--torch-compile-mode)` ("reduce-overhead": each step a CUDA graph replay) through
+  the file's own greedy `generate`; its ids are compared with batch1's. (ONNX Runtime's TensorRT provider is not
+  a section: a 7B ONNX export and a TensorRT engine build of it do not fit a lent device's minutes.)
 
-Timing (batch1, stablehlo, transformers): a first call (compilation included, reported), then `--warmups`
-pairs of calls, then `--runs` pairs, each pair a full call (128 new tokens) and a one-token call, each timed
+Timing (batch1, stablehlo, transformers, torch_source): a first call (compilation included, reported), then
+`--warmups` pairs of calls, then `--runs` pairs, each pair a full call (128 new tokens) and a one-token call, each timed
 with the device synchronized before and after (`torch.cuda.synchronize`; linnet_jax's results are host
 values, the stablehlo row fetches its tokens to the host). TTFT = the one-token call (prefill + first
 token); decode tok/s = 127 / (full - one-token) per pair; the medians. Peak device memory: JAX's
 `peak_bytes_in_use` of the section's process; torch's `max_memory_allocated` after the weights are made.
 
 Estimated on an H200, process start and compilation included: batch1 ~1.5 min, serve ~3 min, transformers
-~3 min (torch.compile), stablehlo ~2.5 min. `--budget-s` (default 480) bounds the whole run: each section
-gets at most its cap and what is left of the budget, and one that cannot start in time is a row saying so.
+~3 min (torch.compile), stablehlo ~2.5 min, torch_source ~4 min (14.5 GB written and read back). `--budget-s`
+(default 480) bounds the whole run: each section gets at most its cap and what is left of the budget, and one
+that cannot start in time is a row saying so (`--sections torch_source,transformers` for the PyTorch rows).
 A failing section is a row with its error; the others still run. Exit status 1 if any row has no numbers.
 `--out DIR` writes `gpu.json` and `gpu.md` (rewritten after every section, so a run cut short keeps what it
 measured). The bars (issue 13): linnet_jax batch-1 decode >= 250 tok/s and >= 1.5x transformers compiled.
@@ -50,6 +56,7 @@ measured). The bars (issue 13): linnet_jax batch-1 decode >= 250 tok/s and >= 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -59,7 +66,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -288,6 +295,15 @@ def section_serve(args: argparse.Namespace, protocol: Protocol) -> dict:
             "notes": notes, **jax_device_report()}
 
 
+def torch_device():
+    """(torch.device, its synchronize, "cuda: <name>") for the torch sections: the GPU where there is one."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.cuda.synchronize, f"cuda: {torch.cuda.get_device_name()}"
+    return torch.device("cpu"), lambda: None, f"cpu: {platform.processor() or 'cpu'}"
+
+
 def transformers_label(args: argparse.Namespace) -> str:
     if args.no_torch_compile:
         return "transformers, static cache, eager"
@@ -302,11 +318,9 @@ def section_transformers(args: argparse.Namespace, protocol: Protocol) -> dict:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device, sync, description = torch_device()
     hf = dict(protocol.hf_config)
     config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
-
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def build():
         with device:
@@ -331,38 +345,77 @@ def section_transformers(args: argparse.Namespace, protocol: Protocol) -> dict:
 
     result = measure_generate(generate, protocol, sync)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
-    return {**result, "setup_s": setup_s, "peak_gib": peak, "device": f"{device.type}: {name}",
+    return {**result, "setup_s": setup_s, "peak_gib": peak, "device": description,
             "notes": [f"torch {torch.__version__}, transformers {transformers.__version__}, "
                       f"attention {model.config._attn_implementation}, {cache_argument}=StaticCache"]}
 
 
-def export_stablehlo(args: argparse.Namespace, protocol: Protocol) -> dict:
-    """Write `export.stablehlo` of the random model into args.export_dir (a child of the stablehlo section)."""
+def export_random_model(kind: str, args: argparse.Namespace, protocol: Protocol) -> dict:
+    """Write `export.<kind>` ("stablehlo" or "torch_source") of the random model into args.export_dir (in a child
+    process of the section that runs it)."""
     import linnet_jax
 
     _, model = linnet_model(protocol)
-    linnet_jax.export.stablehlo(model, args.export_dir, batch=1, max_len=protocol.prompt_tokens + protocol.new_tokens,
-                                progress=False)
+    max_len = protocol.prompt_tokens + protocol.new_tokens
+    if kind == "stablehlo":
+        linnet_jax.export.stablehlo(model, args.export_dir, batch=1, max_len=max_len, progress=False)
+    else:
+        linnet_jax.export.torch_source(model, args.export_dir, max_len=max_len)
     return {}
+
+
+@contextlib.contextmanager
+def exported(kind: str, args: argparse.Namespace) -> Iterator[tuple[float, Path]]:
+    """(seconds, directory): `export_random_model(kind)` run by a child process into a temporary directory,
+    which is removed after the block."""
+    with tempfile.TemporaryDirectory(prefix=f"linnet-gpu-{kind}-") as scratch:
+        directory = Path(scratch) / "export"
+        command = [*worker_command(f"{kind}_export", args), "--export-dir", str(directory)]
+        seconds, reply = timed(run_worker, command)
+        if "error" in reply:
+            raise RuntimeError(f"the export failed: {reply['error']}")
+        yield seconds, directory
 
 
 def section_stablehlo(args: argparse.Namespace, protocol: Protocol) -> dict:
     """export.stablehlo in a child process, then its programs reloaded by the export's own load.py and timed here
     (no linnet_jax): greedy ids with the decode steps in one loop on the device (`Export.greedy_ids`)."""
-    with tempfile.TemporaryDirectory(prefix="linnet-gpu-stablehlo-") as scratch:
-        directory = Path(scratch) / "export"
-        command = [*worker_command("stablehlo_export", args), "--export-dir", str(directory)]
-        export_s, reply = timed(run_worker, command)
-        if "error" in reply:
-            raise RuntimeError(f"the export failed: {reply['error']}")
-        load_s, exported = timed(import_path(directory / "load.py").Export, directory)
+    with exported("stablehlo", args) as (export_s, directory):
+        load_s, export = timed(import_path(directory / "load.py").Export, directory)
         ids = prompt_ids(protocol)
-        result = measure_generate(functools.partial(exported.greedy_ids, ids), protocol, sync=lambda: None,
+        result = measure_generate(functools.partial(export.greedy_ids, ids), protocol, sync=lambda: None,
                                   compiles=compile_counter())
     notes = [f"export (its own process, weights made and written) {export_s:.1f} s; load (file to device) "
              f"{load_s:.1f} s"]
     return {**result, "setup_s": load_s, "notes": notes + result["notes"], **jax_device_report()}
+
+
+def torch_source_label(args: argparse.Namespace) -> str:
+    if args.no_torch_compile:
+        return "linnet_jax, generated PyTorch, eager"
+    return f"linnet_jax, generated PyTorch + torch.compile ({args.torch_compile_mode})"
+
+
+def section_torch_source(args: argparse.Namespace, protocol: Protocol) -> dict:
+    """export.torch_source in a child process, then its model.py (torch only: no linnet_jax, no transformers) on
+    the GPU: `load_weights(device=...)`, torch.compile of the module unless --no-torch-compile (mode
+    --torch-compile-mode: "reduce-overhead" replays each step as a CUDA graph, the cache written in place at
+    its static address), and the file's own greedy `generate`."""
+    import torch
+
+    device, sync, description = torch_device()
+    with exported("torch_source", args) as (export_s, directory):
+        module = import_path(directory / "model.py")
+        load_s, params = timed(module.load_weights, None, device, sync=sync)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    step = params if args.no_torch_compile else torch.compile(params, mode=args.torch_compile_mode)
+    ids = prompt_ids(protocol)
+    result = measure_generate(lambda n: module.generate(step, ids, max_new_tokens=n, stop_ids=()), protocol, sync)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    notes = [f"export (its own process, weights made and written) {export_s:.1f} s; load (file to device) "
+             f"{load_s:.1f} s; torch {torch.__version__}"]
+    return {**result, "setup_s": load_s, "peak_gib": peak, "device": description, "notes": notes + result["notes"]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,8 +430,10 @@ SECTIONS = {
     "serve": Section(lambda args: "linnet_jax serve.Engine", section_serve, cap_s=330),
     "transformers": Section(transformers_label, section_transformers, cap_s=330),
     "stablehlo": Section(lambda args: "linnet_jax, StableHLO reloaded", section_stablehlo, cap_s=270),
+    "torch_source": Section(torch_source_label, section_torch_source, cap_s=330),
 }
-WORKERS = {name: section.run for name, section in SECTIONS.items()} | {"stablehlo_export": export_stablehlo}
+WORKERS = {name: section.run for name, section in SECTIONS.items()} | {
+    f"{kind}_export": functools.partial(export_random_model, kind) for kind in ("stablehlo", "torch_source")}
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -430,13 +485,16 @@ def find(rows: list[dict], section: str) -> dict | None:
 
 
 def agreement(rows: list[dict]) -> list[str]:
-    """How many leading greedy ids the StableHLO row shares with batch1's (same weights, same prompt)."""
-    native, exported = find(rows, "batch1"), find(rows, "stablehlo")
-    if not (native and exported):
-        return []
-    same = leading_agreement(exported["tokens"], native["tokens"])
-    return [f"StableHLO reloaded's greedy ids agree with generate's for the first {same} of {len(native['tokens'])} "
-            "tokens"]
+    """How many leading greedy ids each export's row shares with batch1's (same weights, same prompt)."""
+    native = find(rows, "batch1")
+    lines = []
+    for section, name in (("stablehlo", "StableHLO reloaded"), ("torch_source", "the generated PyTorch")):
+        exported = find(rows, section)
+        if native and exported:
+            same = leading_agreement(exported["tokens"], native["tokens"])
+            lines.append(f"{name}'s greedy ids agree with generate's for the first {same} of "
+                         f"{len(native['tokens'])} tokens")
+    return lines
 
 
 def bars(rows: list[dict], tiny: bool) -> list[str]:

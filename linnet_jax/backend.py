@@ -55,7 +55,14 @@ def plan_for_platform(platform: str, devices: int = 1) -> Plan:
         raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
     cpu = platform == "cpu"
     return Plan(platform=platform, unstacked_layers=cpu, matvec_kernels=cpu and devices == 1 and matvec.available(),
-                xla_dot_rows=(8, 24) if cpu and devices == 1 else None)
+                xla_dot_rows=mid_width_xla_dots(matvec.cpu_flags()) if cpu and devices == 1 else None)
+
+
+def mid_width_xla_dots(flags: frozenset[str]) -> tuple[int, int] | None:
+    """The decode rows (fewest, most) whose programs run XLA's own dots on one CPU with these feature flags: 8 to 24
+    on an AVX2 CPU (AMD EPYC: the 16-row step 14% faster than with YNNPACK's), none on an AVX-512 one (Sapphire
+    Rapids: YNNPACK's, which choose AVX-512 code at run time, 18% faster at 8 and 16 rows; benchmarks/RESULTS.md)."""
+    return None if "avx512f" in flags else (8, 24)
 
 
 def plan_for(params: Params) -> Plan:

@@ -30,15 +30,19 @@ TARGETS = {"linnet_xw": "LinnetXw", "linnet_wx": "LinnetWx", "linnet_xw_int8": "
            "linnet_wx_int8": "LinnetWxInt8"}
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them ("avx2", "avx512f", ...); empty where it says none."""
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
 def cpu_has_vector_units() -> bool:
     """Whether this CPU runs what setup.py compiled: AVX2 and FMA on x86-64 (anything elsewhere)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return True
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return {"avx2", "fma"} <= set(flags.split())
+    return platform.machine().lower() not in ("x86_64", "amd64") or {"avx2", "fma"} <= cpu_flags()
 
 
 def library_path() -> Path | None:

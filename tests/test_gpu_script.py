@@ -27,7 +27,7 @@ def tiny_run(tmp_path_factory):
     return result.stdout, rows, (out / "gpu.md").read_text()
 
 
-@pytest.mark.parametrize("section", ["batch1", "stablehlo", "transformers"])
+@pytest.mark.parametrize("section", ["batch1", "stablehlo", "transformers", "torch_source"])
 def test_batch1_rows_have_ttft_and_decode(tiny_run, section):
     """The row's fields, not a speed: a 2-layer model's decode is a difference of two short wall times, which a
     loaded machine can make non-positive (that pair is then left out, and with every pair out, decode is None)."""
@@ -65,7 +65,7 @@ def test_one_table_with_every_row_and_the_bars(tiny_run):
     stdout, _, markdown = tiny_run
     table = [line for line in stdout.splitlines() if line.startswith("| ")]
     names = ["linnet_jax generate", "linnet_jax serve.Engine", "transformers, static cache, eager",
-             "linnet_jax, StableHLO reloaded"]
+             "linnet_jax, StableHLO reloaded", "linnet_jax, generated PyTorch, eager"]
     for name in names:
         [line] = [line for line in table if line.startswith(f"| {name} |")]
         assert any(ch.isdigit() for ch in line.split("|")[2] + line.split("|")[4]), line

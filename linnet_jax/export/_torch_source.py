@@ -139,7 +139,10 @@ class Decoder(nn.Module):
         their device."""
         g, slots, d = CONFIG.num_kv_heads, max_len + 1, CONFIG.head_dim
         empty = lambda *shape: torch.zeros(shape, dtype=self.embed.dtype, device=self.embed.device)  # noqa: E731
-        return [empty(batch, g, d, slots) for _ in self.layers], [empty(batch, g, slots, d) for _ in self.layers]
+        keys, values = [empty(batch, g, d, slots) for _ in self.layers], [empty(batch, g, slots, d) for _ in self.layers]
+        for tensor in keys + values:  # written in place, never moved: CUDA graphs (torch.compile's "reduce-overhead")
+            torch._dynamo.mark_static_address(tensor, guard=False)  # take a step whole; no recompile for a new cache
+        return keys, values
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                 values: list[torch.Tensor]) -> torch.Tensor:
