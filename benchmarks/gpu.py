@@ -38,9 +38,9 @@ section), run in the order given, their rows printed as each ends:
   a section: a 7B ONNX export and a TensorRT engine build of it do not fit a lent device's minutes.)
 
 Timing (batch1, stablehlo, transformers, torch_source): a first call (compilation included, reported), then
-`--warmups` pairs of calls, then `--runs` pairs, each pair a full call (128 new tokens) and a one-token call, each timed
-with the device synchronized before and after (`torch.cuda.synchronize`; linnet_jax's results are host
-values, the stablehlo row fetches its tokens to the host). TTFT = the one-token call (prefill + first
+`--warmups` pairs of calls, then `--runs` pairs, each pair a full call (128 new tokens) and a one-token call,
+each timed with the device synchronized before and after (`torch.cuda.synchronize`; linnet_jax's results are
+host values, the stablehlo row fetches its tokens to the host). TTFT = the one-token call (prefill + first
 token); decode tok/s = 127 / (full - one-token) per pair; the medians. Peak device memory: JAX's
 `peak_bytes_in_use` of the section's process; torch's `max_memory_allocated` after the weights are made.
 

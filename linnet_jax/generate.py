@@ -58,10 +58,11 @@ def run(model: Model, prompts: list[list[int]], options: SamplingOptions, max_ne
         table: LoraTable | None = None, entries: list[int] | None = None
         ) -> Iterator[tuple[list[list[int]], list[list[float]], np.ndarray]]:
     """Prefill every prompt into its row, then decode `chunk` steps per dispatch (to the end when None), or
-    verify each row's n-gram drafts one step per dispatch (speculative; a plain step when no row has one), yielding each row's new tokens and their
-    logprobs, and every row's finish state [B], after the prefill and after each dispatch. rules: each row's
-    grammar (None: free), which the consumer advances with the tokens yielded before the next dispatch; while a
-    row has one, each dispatch decodes one step, and that row gets no drafts. table, entries: the adapter table
+    verify each row's n-gram drafts one step per dispatch (speculative; a plain step when no row has one),
+    yielding each row's new tokens and their logprobs, and every row's finish state [B], after the prefill and
+    after each dispatch. rules: each row's grammar (None: free), which the consumer advances with the tokens
+    yielded before the next dispatch; while a row has one, each dispatch decodes one step, and that row gets no
+    drafts. table, entries: the adapter table
     and each row's entry in it (`linnet_jax.adapters.call_table`), or None."""
     config, params = model.config, model.decode_params
     constrain = model.layout and model.layout.constrain
@@ -89,7 +90,8 @@ def run(model: Model, prompts: list[list[int]], options: SamplingOptions, max_ne
                                     *draft_arrays(drafts, speculative.num_speculative_tokens), constrain, plan=model.plan,
                                     lora=table)
         elif speculative:  # no row has a draft: one plain step (the batch-1 kernels', no verify's k + 1 columns)
-            slots, emitted = decode(params, config, allow(slots), np.int32(1), 1, constrain, plan=model.plan, lora=table)
+            slots, emitted = decode(params, config, allow(slots), np.int32(1), 1, constrain, plan=model.plan,
+                                    lora=table)
         else:
             slots, emitted = decode(params, config, allow(slots), np.int32(steps), out_len, constrain,
                                     plan=model.plan, lora=table)

@@ -9,8 +9,9 @@ only. A config field the decoder does not read is refused at export (`READ_FIELD
 The decoder keeps a static KV cache, per layer keys [B, G, K, S + 1] (slots last: the scores' product reads them
 as they lie) and values [B, G, S + 1, K]: slot p holds position p, the last slot takes the writes of padding
 (position -1) and is never seen. A step (`Decoder.forward`) writes the cache in place by indexed assignment (which
-inductor keeps in place: a scatter_ made it copy every layer's cache each step) and makes no host sync, so `torch.compile` (inductor, CUDA graphs) takes it whole; `generate` syncs once per token,
-between steps, to test the stop ids.
+inductor keeps in place: a scatter_ made it copy every layer's cache each step) and makes no host sync, so
+`torch.compile` (inductor, CUDA graphs) takes it whole; `generate` syncs once per token, between steps, to test
+the stop ids.
 """
 
 import dataclasses
@@ -139,7 +140,8 @@ class Decoder(nn.Module):
         their device."""
         g, slots, d = CONFIG.num_kv_heads, max_len + 1, CONFIG.head_dim
         empty = lambda *shape: torch.zeros(shape, dtype=self.embed.dtype, device=self.embed.device)  # noqa: E731
-        keys, values = [empty(batch, g, d, slots) for _ in self.layers], [empty(batch, g, slots, d) for _ in self.layers]
+        keys = [empty(batch, g, d, slots) for _ in self.layers]
+        values = [empty(batch, g, slots, d) for _ in self.layers]
         for tensor in keys + values:  # written in place, never moved: CUDA graphs (torch.compile's "reduce-overhead")
             torch._dynamo.mark_static_address(tensor, guard=False)  # take a step whole; no recompile for a new cache
         return keys, values
