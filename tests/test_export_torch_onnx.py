@@ -177,7 +177,11 @@ def test_torch_compile_gives_the_same_tokens_without_graph_breaks(tiny_models, t
         _, code = run_and_get_code(torch.compile(params), torch.tensor([[5]]), torch.tensor([[3]]), keys, values)
     assert not [t.shape for t in (keys[0], values[0]) if f"empty_strided_cpu({tuple(t.shape)}" in "\n".join(code)]
     torch._dynamo.reset()
-    assert module.generate(torch.compile(params), TINY_PROMPT, max_new_tokens=NEW, stop_ids=()) == eager
+    compiled = torch.compile(params)
+    assert module.generate(compiled, TINY_PROMPT, max_new_tokens=NEW, stop_ids=()) == eager
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert module.generate(compiled, TINY_PROMPT, max_new_tokens=NEW, stop_ids=()) == eager  # a new cache, ...
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # ... no new graph (no recompile)
 
 
 def test_torch_source_samples_stops_and_refuses(tiny_models, tmp_path, monkeypatch):
