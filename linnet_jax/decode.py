@@ -158,23 +158,22 @@ def extend(params: Params, config: Config, slots: Slots, rows: jax.Array, tokens
     ([R]); last: [R] bool, the chunk ends the row's prompt: it runs (`choose_first` then chooses its first token),
     else it waits (FREE) for its next chunk. A chunk starting at 0 begins a new prompt; a later one continues the
     row's cache. constrain: forward's sharding constraints; plan: the hardware plan (`linnet_jax.backend.Plan`)
-    the params were made for (`Model.plan`); span: None, or every chunk begins its
-    prompt (start 0) and the chunks read and write only their rows' first `span` slots (≥ every count), so that a
-    fresh prompt's attention reads its own C slots rather than max_len, causal over them (`forward`'s fresh).
+    the params were made for (`Model.plan`); span: None, or every chunk begins its prompt (start 0) and the chunks
+    read and write only their rows' first `span` slots (≥ every count), so that a fresh prompt's attention reads
+    its own C slots rather than max_len, causal over them (`forward`'s fresh).
     lora: the adapter table (each row uses its request's entry), or None."""
     TRACES["extend"] += 1
     fresh = span is not None
     heads, span = config.num_kv_heads, span or slots.cache.max_len
     cache_rows = row_cache(slots.cache, rows, heads)
-    take = lambda array, index: jnp.take(array, index, axis=0, mode="fill", fill_value=0)  # noqa: E731
-    cache = KVCache(k=tuple(take(layer, cache_rows)[:, :span] for layer in slots.cache.k),
-                    v=tuple(take(layer, cache_rows)[:, :, :span] for layer in slots.cache.v))
+    cache = KVCache(k=tuple(take_rows(layer, cache_rows)[:, :span] for layer in slots.cache.k),
+                    v=tuple(take_rows(layer, cache_rows)[:, :, :span] for layer in slots.cache.v))
     columns = jnp.arange(tokens.shape[1])
     valid = columns < count[:, None]
     positions = jnp.where(valid, start[:, None] + columns, -1)
     logits, cache = forward(params, config, tokens, positions, cache, logits_at=jnp.maximum(count - 1, 0),
                             constrain=constrain, lora=row_adapters(lora, request), plan=plan, fresh=fresh)
-    part = jax.tree.map(lambda column: take(column, rows), slots.replace(cache=None))
+    part = rows_of(slots, rows)
     seen = jnp.where((start == 0)[:, None], False, part.seen)
     seen = seen.at[jnp.arange(rows.shape[0])[:, None], tokens].max(valid)
     part = part.replace(request=request, seen=seen, generated=jnp.zeros_like(part.generated), length=start + count,
@@ -192,9 +191,17 @@ def choose_first(slots: Slots, rows: jax.Array, logits: jax.Array) -> Slots:
     `allowed` mask lets through), from its logits [R, V]; rows: [R] int32, as extend's (≥ B: padding). A program of
     its own: the sampler compiles once per R, not once per extend shape."""
     TRACES["choose_first"] += 1
-    part = jax.tree.map(lambda column: jnp.take(column, rows, axis=0, mode="fill", fill_value=0),
-                        slots.replace(cache=None))
-    return with_rows(slots, rows, choose(part, logits, slots.cache.max_len, top=True))  # padding rows: dropped
+    return with_rows(slots, rows, choose(rows_of(slots, rows), logits, slots.cache.max_len, top=True))
+
+
+def take_rows(array: jax.Array, rows: jax.Array) -> jax.Array:
+    """array's rows [R] along its first axis; a row past its end (padding) reads zeros."""
+    return jnp.take(array, rows, axis=0, mode="fill", fill_value=0)
+
+
+def rows_of(slots: Slots, rows: jax.Array) -> Slots:
+    """The state of rows [R] (≥ B: padding, zeros), every field but the cache (None)."""
+    return jax.tree.map(lambda column: take_rows(column, rows), slots.replace(cache=None))
 
 
 def with_rows(slots: Slots, rows: jax.Array, part: Slots) -> Slots:

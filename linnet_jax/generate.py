@@ -62,8 +62,8 @@ def run(model: Model, prompts: list[list[int]], options: SamplingOptions, max_ne
     yielding each row's new tokens and their logprobs, and every row's finish state [B], after the prefill and
     after each dispatch. rules: each row's grammar (None: free), which the consumer advances with the tokens
     yielded before the next dispatch; while a row has one, each dispatch decodes one step, and that row gets no
-    drafts. table, entries: the adapter table
-    and each row's entry in it (`linnet_jax.adapters.call_table`), or None."""
+    drafts. table, entries: the adapter table and each row's entry in it (`linnet_jax.adapters.call_table`), or
+    None."""
     config, params = model.config, model.decode_params
     constrain = model.layout and model.layout.constrain
     rows = range(len(prompts))
@@ -80,17 +80,15 @@ def run(model: Model, prompts: list[list[int]], options: SamplingOptions, max_ne
     finish = host(slots.finish)
     histories = [prompt + [token] for prompt, token in zip(prompts, host(slots.token).tolist())]
     yield [[t] for t in host(slots.token).tolist()], [[p] for p in host(slots.logprob).tolist()], finish
-    steps = 1 if constrained else (max_new_tokens - 1 if chunk is None else chunk)
+    # a plain dispatch: one step while a row is constrained, or under speculation (a step where no row has a draft)
+    steps = 1 if constrained or speculative else (max_new_tokens - 1 if chunk is None else chunk)
     out_len = bucket(steps) if chunk is None else chunk
     while (finish == RUNNING).any():
-        drafts = [propose(history, speculative, max_len - len(history)) if speculative and finish[row] == RUNNING
-                  and rules[row] is None else [] for row, history in enumerate(histories)]
+        drafts = [propose(history, speculative, max_len - len(history)) if finish[row] == RUNNING
+                  and rules[row] is None else [] for row, history in enumerate(histories)] if speculative else []
         if any(drafts):
             slots, emitted = verify(params, config, allow(slots),
                                     *draft_arrays(drafts, speculative.num_speculative_tokens), constrain, plan=model.plan,
-                                    lora=table)
-        elif speculative:  # no row has a draft: one plain step (the batch-1 kernels', no verify's k + 1 columns)
-            slots, emitted = decode(params, config, allow(slots), np.int32(1), 1, constrain, plan=model.plan,
                                     lora=table)
         else:
             slots, emitted = decode(params, config, allow(slots), np.int32(steps), out_len, constrain,

@@ -64,8 +64,8 @@ def extend_rows(model: Model, slots: Slots, rows: list[int], chunks: list[list[i
     """Prompt chunks into rows of the decode state in one `extend` dispatch, then `choose_first`: chunk i (its
     tokens at positions starts[i] ..) into row rows[i], with its request (one row each); last[i]: it ends its
     prompt (the row's first token is chosen). Padded to `height` rows (padding rows write nothing) and `width`
-    columns; by default the rows given and the bucket of the longest chunk. Chunks that all begin their prompts read and
-    write only their rows' first `width` slots. lora: the adapter table (`models.lora.LoraTable`) or None."""
+    columns; by default the rows given and the bucket of the longest chunk. Chunks that all begin their prompts
+    read and write only their rows' first `width` slots. lora: the adapter table (`models.lora.LoraTable`) or None."""
     height, width = height or len(rows), width or bucket(max(map(len, chunks)), slots.cache.max_len)
     padding = height - len(rows)
     tokens = np.zeros((height, width), np.int32)

@@ -61,10 +61,11 @@ def onnx(model, out_dir, *, dtype: str = "float32", max_len: int = 1024, overwri
     target = prepare_target(out_dir, overwrite)
     with staged(target, OUTPUTS) as written, tempfile.TemporaryDirectory(dir=written.parent) as scratch:
         module = decoder_module(model, dtype, max_len)
-        graphs = export_graphs(module, model.config, max_len, Path(scratch))
+        cache = module.decoder.init_cache(1, max_len)
+        graphs = export_graphs(module, cache, model.config, max_len, Path(scratch))
         share_weights(graphs, written)
         shutil.copyfile(Path(__file__).with_name("onnx_runner.py"), written / RUNNER)
-        write_json(written / MANIFEST, manifest(model, dtype, max_len, module.decoder.init_cache(1, max_len)))
+        write_json(written / MANIFEST, manifest(model, dtype, max_len, cache))
         write_model_files(written, model.config, model.tokenizer)
     return target
 
@@ -106,13 +107,13 @@ def decoder_module(model, dtype: str, max_len: int):
     return WithCache()
 
 
-def export_graphs(module, config, max_len: int, scratch: Path) -> dict[str, Path]:
-    """Each graph exported by torch.onnx (dynamo) into scratch, with its weights as external data."""
+def export_graphs(module, cache, config, max_len: int, scratch: Path) -> dict[str, Path]:
+    """Each graph exported by torch.onnx (dynamo) into scratch, with its weights as external data; cache: the
+    decoder's empty (keys, values) lists, the example inputs."""
     import torch
 
     layers = range(config.num_layers)
     cache_names = [f"{kv}.{i}" for kv in "kv" for i in layers]
-    cache = module.decoder.init_cache(1, max_len)
     width = torch.export.Dim("width", min=2, max=max(bucket(max_len), 16))
     shapes = {"prefill": (1, 16), "decode": (1, 1)}
     paths = {}
