@@ -10,7 +10,9 @@ A `Plan` is hashable: `Model.plan` holds it and the cached programs (`forward`, 
   inside the program; unstacking there would copy them.
 - `matvec_kernels`: batch-1 float32 products run through linnet's XLA:CPU kernels (`ops.matvec`): on
   one CPU device, where they are built and this CPU and jaxlib can run them. XLA:CPU runs small
-  products on one core; the kernels split them across its threads.
+  products on one core; the kernels split them across its threads. Attention's products over the cache for a
+  few query rows (`attention_products`) go through a kernel there too: XLA's batched dot re-reads a cache of
+  several rows once per query head, at a third of the bandwidth (SmolLM2's 16-row step: 47 ms of its 116 in them).
 - `decode_options(rows)`: XLA compiler options for a decode program of that many rows. On one CPU device,
   XLA's own dot emitter in place of YNNPACK's from 8 to 24 rows, where YNNPACK's dots keep one of this CPU's
   cores idle: SmolLM2's sampled 16-row step takes 83 ms instead of 97 (8 rows 58 against 65, 24 rows 127 against
@@ -42,6 +44,12 @@ class Plan:
         """The function the model's products run through: `ops.matvec.einsum` or `ops.quantized.einsum` (jnp.einsum, or
         qwix's for quantized weights)."""
         return matvec.einsum if self.matvec_kernels else quantized.einsum
+
+    def attention_products(self, rows: int) -> Callable | None:
+        """How attention's products run for `rows` query rows per key/value head (heads per group × new positions):
+        `ops.matvec.batched` (all of a group's rows through one kernel, each cached key and value read once) where
+        the kernels run and take that many rows, else None (one XLA product per query head)."""
+        return matvec.batched if self.matvec_kernels and rows <= matvec.BATCHED_ROWS else None
 
     def decode_options(self, rows: int) -> tuple[tuple[str, str], ...]:
         """XLA compiler options (name, value) for a decode program of `rows` rows (hashable: a cache key)."""

@@ -106,9 +106,11 @@ def decoder_layer(
     *,
     einsum=jnp.einsum,
     fresh: bool = False,
+    products=None,
 ) -> tuple[jax.Array, KVCache | None]:
     """One pre-norm block: x + attention(norm(x)), then + swiglu(norm(x)). x: [B, T, D].
-    segment_ids, lora, fresh: see `forward` (lora: this layer's slices); einsum: how the projections run."""
+    segment_ids, lora, fresh: see `forward` (lora: this layer's slices); einsum: how the projections run;
+    products: how attention's products run with a cache (`ops.attention`'s; None: jnp.einsum)."""
     rope_positions = jnp.maximum(positions, 0)
     inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
     with jax.named_scope("attention"):
@@ -124,7 +126,8 @@ def decoder_layer(
         else:
             cache, keys, values = update_cache(cache, layer, keys, values, positions)
             slot_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (b, cache.max_len))  # slot i: position i
-            mixed = attention(q, keys, values, rope_positions, slot_positions, window, causal=fresh)
+            mixed = attention(q, keys, values, rope_positions, slot_positions, window, causal=fresh,
+                              products=products)
         out = einsum("bthk,hkd->btd", mixed, lp.wo)
         out = out + lp.bo if config.o_bias else out
         x = x + (out if lora is None else lora.add(out, "wo", mixed))
@@ -175,7 +178,8 @@ def forward(
     activation = ("batch", "seq", "embed")  # the logical axes of x
     x = constrain(quantized.take_rows(params.embed, tokens), activation)
     einsum = quantized.einsum if plan is None else plan.einsum
-    layer_fn = functools.partial(decoder_layer, einsum=einsum, fresh=fresh)
+    products = None if plan is None else plan.attention_products(config.num_heads // config.num_kv_heads * tokens.shape[1])
+    layer_fn = functools.partial(decoder_layer, einsum=einsum, fresh=fresh, products=products)
     if cache is not None or isinstance(params.layers, tuple) or not (lora is None or lora.layer_major):
         layer_fn = jax.checkpoint(layer_fn, static_argnums=(2, 4, 5)) if remat else layer_fn  # unrolled: static ints
         for layer in range(config.num_layers):

@@ -11,6 +11,9 @@
 //   linnet_xw_int8: y[T, N] = x[T, K] · (q[K, N] scaled by s[K / G, N])   (weight-only int8: each output's inputs
 //   linnet_wx_int8: y[T, N] = x[T, K] · (q[N, K] scaled by s[N, K / G])ᵀ  in blocks of G, one scale a block; a few
 //                                                                         rows T share each weight's dequantization)
+//   linnet_abt: y[N, I, J] = a[N, I, C] · b[N, J, C]ᵀ per n   (attention's scores and mixing for a few query rows,
+//                                                             over each row's filled slots only: each key or value
+//                                                             read once for all of them)
 
 #include <algorithm>
 #include <atomic>
@@ -34,6 +37,9 @@ using Matrix = ffi::Buffer<ffi::F32, 2>;
 using VectorResult = ffi::ResultBuffer<ffi::F32, 1>;
 using MatrixResult = ffi::ResultBuffer<ffi::F32, 2>;
 using Int8Matrix = ffi::Buffer<ffi::S8, 2>;
+using Int32Vector = ffi::Buffer<ffi::S32, 1>;
+using Cube = ffi::Buffer<ffi::F32, 3>;
+using CubeResult = ffi::ResultBuffer<ffi::F32, 3>;
 
 constexpr int64_t kMinRowsPerPart = 64;  // below this a part costs more to hand over than to run
 
@@ -210,6 +216,43 @@ void DotInt8Batch(const float* x, int64_t rows, const int8_t* q, const float* s,
   }
 }
 
+// y[i, j] = a[i, 0:depth] · b[j, 0:depth] for i < rows and j in j0..j1 (a's and b's rows c apart, y's `stride`
+// apart): four rows of b at a time, each group dotted with every row of a while it sits in L1.
+void DotRowGroups(const float* a, int64_t rows, const float* b, int64_t c, int64_t depth, float* y, int64_t stride,
+                  int64_t j0, int64_t j1) {
+  int64_t j = j0;
+#ifdef LINNET_AVX2
+  const int64_t vector_c = depth - depth % 8;
+  for (; j + 4 <= j1; j += 4) {
+    const float *b0 = b + j * c, *b1 = b0 + c, *b2 = b1 + c, *b3 = b2 + c;
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* ai = a + i * c;
+      __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+      for (int64_t p = 0; p < vector_c; p += 8) {
+        const __m256 x = _mm256_loadu_ps(ai + p);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(b0 + p), x, s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(b1 + p), x, s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(b2 + p), x, s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(b3 + p), x, s3);
+      }
+      // [s0, s1, s2, s3] summed lane-wise into four values
+      const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+      __m128 sums = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+      float tail[4] = {0, 0, 0, 0};
+      for (int64_t p = vector_c; p < depth; ++p) {
+        tail[0] += ai[p] * b0[p];
+        tail[1] += ai[p] * b1[p];
+        tail[2] += ai[p] * b2[p];
+        tail[3] += ai[p] * b3[p];
+      }
+      _mm_storeu_ps(y + i * stride + j, _mm_add_ps(sums, _mm_loadu_ps(tail)));
+    }
+  }
+#endif
+  for (; j < j1; ++j)
+    for (int64_t i = 0; i < rows; ++i) y[i * stride + j] = Dot(b + j * c, a + i * c, depth);
+}
+
 // Runs part(i) for i in 0..parts-1 and returns when all are done. This thread and parts-1 pool tasks each
 // claim the next unclaimed part until none is left, so this thread only ever waits for parts that another
 // thread is running: when the pool is busy (or runs several products at once) it does them all itself.
@@ -311,6 +354,29 @@ ffi::Error WxInt8(ffi::ThreadPool pool, Matrix x, Int8Matrix q, Matrix s, Matrix
   return ffi::Error::Success();
 }
 
+// Batched a · bᵀ over each n's first slots[n] key slots: b's rows (slots_contracted false: the scores, 0 past them)
+// or the contracted axis (true: the mixing, whose probabilities are 0 past them). The N·J rows of b split across the
+// threads (a part may span several n), so one n of many rows (batch-1 attention) splits as well as many n of a few.
+ffi::Error Abt(ffi::ThreadPool pool, Cube a, Cube b, Int32Vector slots, CubeResult y,
+               bool slots_contracted) {
+  const int64_t rows = a.dimensions()[1], j = b.dimensions()[1], c = b.dimensions()[2];
+  const float *as = a.typed_data(), *bs = b.typed_data();
+  const int32_t* counts = slots.typed_data();
+  float* ys = y->typed_data();
+  SplitOutputs(pool, b.dimensions()[0] * j, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1;) {
+      const int64_t n = r / j, end = std::min(r1, (n + 1) * j), j0 = r - n * j, j1 = end - n * j;
+      const int64_t count = std::clamp<int64_t>(counts[n], 0, slots_contracted ? c : j);
+      const int64_t stop = slots_contracted ? j1 : std::clamp(count, j0, j1);
+      float* yn = ys + n * rows * j;
+      DotRowGroups(as + n * rows * c, rows, bs + n * j * c, c, slots_contracted ? count : c, yn, j, j0, stop);
+      for (int64_t i = 0; i < rows; ++i) std::fill(yn + i * j + stop, yn + i * j + j1, 0.0f);
+      r = end;
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LinnetXw, Xw,
@@ -326,6 +392,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     LinnetWxInt8, WxInt8,
     ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix>().Arg<Int8Matrix>().Arg<Matrix>().Ret<Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LinnetAbt, Abt,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Cube>()
+                                  .Arg<Cube>()
+                                  .Arg<Int32Vector>()
+                                  .Ret<Cube>()
+                                  .Attr<bool>("slots_contracted"));
 
 // The jaxlib whose XLA FFI headers these handlers were compiled against (setup.py defines it): ops/matvec.py
 // registers them only on that jaxlib or a newer one, as an older XLA refuses a newer handler API.

@@ -27,7 +27,7 @@ from linnet_jax.ops.quantized import einsum as quantized_einsum, input_block, is
 
 # FFI target: the library's handler symbol
 TARGETS = {"linnet_xw": "LinnetXw", "linnet_wx": "LinnetWx", "linnet_xw_int8": "LinnetXwInt8",
-           "linnet_wx_int8": "LinnetWxInt8"}
+           "linnet_wx_int8": "LinnetWxInt8", "linnet_abt": "LinnetAbt"}
 
 
 @functools.cache
@@ -138,6 +138,24 @@ def einsum(spec: str, x: jax.Array, w, **options) -> jax.Array:
         y = jax.ffi.ffi_call("linnet_xw_int8" if input_first else "linnet_wx_int8", jax.ShapeDtypeStruct(
             (count, math.prod(free_shape)), jnp.float32))(x.reshape(count, width), matrix, scales)
     return y.reshape(*x.shape[:len(rows)], *free_shape)
+
+
+BATCHED_ROWS = 32  # the most rows of a that `batched` takes (a decode or verify step's queries of one key/value head)
+
+
+def batched(a: jax.Array, b: jax.Array, slots: jax.Array, slots_contracted: bool) -> jax.Array:
+    """out[n, i, j] = Σ_c a[n, i, c] · b[n, j, c]: a [N, I, C], b [N, J, C] → float32 [N, I, J], attention's products
+    over each n's first slots[n] key slots ([N] int32): b's rows j (slots_contracted False: the scores, a the queries,
+    b the keys; past them the kernel gives 0) or the contracted c (True: the mixing, a the probabilities, which must
+    be 0 past them, b the values). Through a kernel for float32 operands and I ≤ BATCHED_ROWS, each row of b read
+    once for all of a's rows (XLA:CPU's batched dot reads a cache too large for the caches at several times the
+    bandwidth cost, benchmarks/RESULTS.md); else jnp.einsum over every slot."""
+    (n, rows, _), j = a.shape, b.shape[1]
+    if not (a.dtype == b.dtype == jnp.float32 and rows <= BATCHED_ROWS):
+        return jnp.einsum("nic,njc->nij", a, b, preferred_element_type=jnp.float32)
+    register()
+    return jax.ffi.ffi_call("linnet_abt", jax.ShapeDtypeStruct((n, rows, j), jnp.float32))(
+        a, b, slots.astype(jnp.int32), slots_contracted=slots_contracted)
 
 
 def kernel_scales(w, contracted: int, input_first: bool) -> jax.Array | None:

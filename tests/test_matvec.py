@@ -94,17 +94,41 @@ def test_other_products_stay_with_einsum(spec, x_shape, w_shape, dtype):
         lambda x, w: jnp.einsum(spec, x, w))(x, w)))
 
 
+@pytest.mark.parametrize("rows,depth,width", [(3, 64, 640), (27, 64, 37), (5, 45, 13)])
+def test_attention_products_over_the_filled_slots_equal_einsum(rows, depth, width):
+    """`batched`'s kernel: the scores of the first slots[n] keys are einsum's and the rest 0; the mixing over the
+    first slots[n] values (probabilities 0 past them) is einsum's over all of them. Rows with no slot, all slots,
+    and slot counts off the kernel's groups of four and eight."""
+    rng = np.random.default_rng(2)
+    n = 6
+    slots = jnp.asarray([0, width, 1, width - 1, 5, width // 2], jnp.int32)
+    filled = np.arange(width)[None, None] < np.asarray(slots)[:, None, None]  # [N, 1, width]
+    queries = jnp.asarray(rng.standard_normal((n, rows, depth), dtype=np.float32))
+    keys = jnp.asarray(rng.standard_normal((n, width, depth), dtype=np.float32))
+    scores = jax.jit(matvec.batched, static_argnums=3)
+    assert "linnet_abt" in scores.lower(queries, keys, slots, False).as_text()
+    expected = np.where(filled, np.einsum("nic,njc->nij", queries, keys), 0)
+    np.testing.assert_allclose(np.asarray(scores(queries, keys, slots, False)), expected, atol=1e-5 * np.sqrt(depth))
+    probs = jnp.asarray(np.where(filled, rng.random((n, rows, width), dtype=np.float32), 0))
+    values = jnp.asarray(rng.standard_normal((n, depth, width), dtype=np.float32))
+    np.testing.assert_allclose(np.asarray(scores(probs, values, slots, True)), np.einsum("nis,nks->nik", probs, values),
+                               atol=1e-5 * np.sqrt(width))
+
+
 @pytest.mark.parametrize("name", ["llama_gqa_llama3", "mistral_sliding", "qwen2_bias_tied", "qwen3_qk_norm"])
 def test_decoding_through_the_kernels_equals_decoding_without(name, tiny_dir):
-    """Batch 1, a prefill then one token at a time: the kernels' logits are einsum's, to float32 rounding."""
+    """One row, and rows of different lengths: a prefill then one token at a time, the kernels' logits (products,
+    and attention over each row's filled slots) are einsum's, to float32 rounding, at every position a row holds."""
     model = linnet_jax.load(tiny_dir(name)[1], progress=False)
     assert model.plan.matvec_kernels and model.plan.einsum is matvec.einsum
+    assert model.plan.attention_products(3) is matvec.batched and model.plan.attention_products(33) is None
     params = decode_params(model.params, model.plan)
-    ids = np.random.default_rng(4).integers(0, model.config.vocab_size, (1, 30))
-    positions = np.arange(30)[None]
-    got = prefill_then_decode(model, params, ids, positions, prefill=20, plan=model.plan)
-    expected = prefill_then_decode(model, params, ids, positions, prefill=20)
-    assert np.abs(got - expected).max() < 1e-5
+    ids = np.random.default_rng(4).integers(0, model.config.vocab_size, (3, 30))
+    positions = np.stack([np.arange(30), np.r_[np.arange(24), [-1] * 6], np.r_[np.arange(12), [-1] * 18]])
+    for rows in (1, 3):  # one row: the matrix-vector kernels too
+        got = prefill_then_decode(model, params, ids[:rows], positions[:rows], prefill=20, plan=model.plan)
+        expected = prefill_then_decode(model, params, ids[:rows], positions[:rows], prefill=20)
+        assert np.abs(got - expected)[positions[:rows] >= 0].max() < 1e-5
 
 
 def test_generate_on_smollm2_runs_the_kernels(smollm2):
@@ -116,7 +140,7 @@ def test_generate_on_smollm2_runs_the_kernels(smollm2):
     assert smollm2.plan.einsum is matvec.einsum
     program = decode_program().lower(smollm2.decode_params, smollm2.config, new_slots(smollm2, 1, 64),
                                      np.int32(4), 4, plan=smollm2.plan).as_text()
-    assert "linnet_xw" in program and "linnet_wx" in program
+    assert "linnet_xw" in program and "linnet_wx" in program and "linnet_abt" in program
     plain = dataclasses.replace(smollm2)
     plain.__dict__["plan"] = dataclasses.replace(smollm2.plan, matvec_kernels=False)  # the cached property, preset
     prompt = "The three primary colors are"
