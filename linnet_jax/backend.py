@@ -8,15 +8,17 @@ A `Plan` is hashable: `Model.plan` holds it and the cached programs (`forward`, 
   which costs more than the products themselves in decode (benchmarks/RESULTS.md), while per-layer
   views of the stacked arrays' host memory cost it nothing. GPUs and TPUs read the stacked weights
   inside the program; unstacking there would copy them.
-- `matvec_kernels`: batch-1 float32 products run through linnet's XLA:CPU kernels (`ops.matvec`): on
-  one CPU device, where they are built and this CPU and jaxlib can run them. XLA:CPU runs small
-  products on one core; the kernels split them across its threads. Attention's products over the cache for a
-  few query rows (`attention_products`) go through a kernel there too: XLA's batched dot re-reads a cache of
-  several rows once per query head, at a third of the bandwidth (SmolLM2's 16-row step: 47 ms of its 116 in them).
-- `decode_options(rows)`: XLA compiler options for a decode program of that many rows. On one CPU device,
-  XLA's own dot emitter in place of YNNPACK's from 8 to 24 rows, where YNNPACK's dots keep one of this CPU's
-  cores idle: SmolLM2's sampled 16-row step takes 83 ms instead of 97 (8 rows 58 against 65, 24 rows 127 against
-  133), while at 4 rows YNNPACK's is 40% faster and at 32 rows 13% (benchmarks/RESULTS.md).
+- `matvec_kernels`: the products of a decode or verify step (up to `ops.matvec.KERNEL_ROWS` rows of float32
+  activations) run through linnet's XLA:CPU kernels (`ops.matvec`): on one CPU device, where they are built and
+  this CPU and jaxlib can run them. XLA:CPU runs a one-row product on one core and YNNPACK's few-row products on
+  one core too; the kernels split them across its threads and read each weight once for all the rows (with
+  AVX-512's registers where the CPU has them). Attention's products over the cache for a few query rows
+  (`attention_products`) go through a kernel there too: XLA's batched dot re-reads a cache of several rows once
+  per query head, at a third of the bandwidth. SmolLM2's sampled 16-row step: 116 ms with XLA's products, 68 ms
+  with the kernels (benchmarks/RESULTS.md).
+- `decode_options(rows)`: XLA compiler options for a decode program of that many rows, on one CPU device without
+  the kernels: XLA's own dot emitter in place of YNNPACK's from 8 to 24 rows on an AVX2 CPU, where YNNPACK's dots
+  keep one of the cores idle (SmolLM2's sampled 16-row step 83 ms instead of 97 on an AMD EPYC).
 """
 
 import dataclasses
@@ -49,7 +51,7 @@ class Plan:
         """How attention's products run for `rows` query rows per key/value head (heads per group × new positions):
         `ops.matvec.batched` (all of a group's rows through one kernel, each cached key and value read once) where
         the kernels run and take that many rows, else None (one XLA product per query head)."""
-        return matvec.batched if self.matvec_kernels and rows <= matvec.BATCHED_ROWS else None
+        return matvec.batched if self.matvec_kernels and rows <= matvec.KERNEL_ROWS else None
 
     def decode_options(self, rows: int) -> tuple[tuple[str, str], ...]:
         """XLA compiler options (name, value) for a decode program of `rows` rows (hashable: a cache key)."""
@@ -62,8 +64,9 @@ def plan_for_platform(platform: str, devices: int = 1) -> Plan:
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
     cpu = platform == "cpu"
-    return Plan(platform=platform, unstacked_layers=cpu, matvec_kernels=cpu and devices == 1 and matvec.available(),
-                xla_dot_rows=mid_width_xla_dots(matvec.cpu_flags()) if cpu and devices == 1 else None)
+    kernels = cpu and devices == 1 and matvec.available()
+    return Plan(platform=platform, unstacked_layers=cpu, matvec_kernels=kernels,
+                xla_dot_rows=mid_width_xla_dots(matvec.cpu_flags()) if cpu and devices == 1 and not kernels else None)
 
 
 def mid_width_xla_dots(flags: frozenset[str]) -> tuple[int, int] | None:

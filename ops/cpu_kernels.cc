@@ -1,13 +1,14 @@
-// Matrix-vector products for batch-1 decode on XLA:CPU, as XLA FFI handlers (ops/matvec.py registers them).
+// Products of a decode or verify step on XLA:CPU, as XLA FFI handlers (ops/matvec.py registers them).
 //
-// XLA:CPU runs a product under ~2 MB on one core, and the larger ones below the bandwidth two cores reach
-// (benchmarks/RESULTS.md). These split every product's weight rows across the calling thread and XLA's
-// intra-op pool, each thread streaming its own contiguous rows, as llama.cpp splits a product across its
-// threads. Float32 activations, float32 or int8 weights; the compiler vectorizes the loops (AVX2 + FMA on
-// x86-64, see setup.py).
+// XLA:CPU runs a product under ~2 MB on one core, the larger ones below the bandwidth two cores reach, and
+// YNNPACK's products of a few rows on one core (benchmarks/RESULTS.md). These split every product across the
+// calling thread and XLA's intra-op pool, each thread streaming its own contiguous weight rows, as llama.cpp splits
+// a product across its threads, and read each weight once for all of a step's rows. Float32 activations, float32 or
+// int8 weights; AVX2 + FMA on x86-64 (setup.py), and AVX-512's registers for the few-row float32 loops where the
+// CPU has them (`HasAvx512`).
 //
-//   linnet_xw: y[N] = x[K] · w[K, N]   (projections stored input-first)
-//   linnet_wx: y[N] = w[N, K] · x[K]   (the lm head, stored [vocab, embed])
+//   linnet_xw: y[T, N] = x[T, K] · w[K, N]   (projections stored input-first)
+//   linnet_wx: y[T, N] = x[T, K] · w[N, K]ᵀ  (the lm head, stored [vocab, embed])
 //   linnet_xw_int8: y[T, N] = x[T, K] · (q[K, N] scaled by s[K / G, N])   (weight-only int8: each output's inputs
 //   linnet_wx_int8: y[T, N] = x[T, K] · (q[N, K] scaled by s[N, K / G])ᵀ  in blocks of G, one scale a block; a few
 //                                                                         rows T share each weight's dequantization)
@@ -32,9 +33,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using Vector = ffi::Buffer<ffi::F32, 1>;
 using Matrix = ffi::Buffer<ffi::F32, 2>;
-using VectorResult = ffi::ResultBuffer<ffi::F32, 1>;
 using MatrixResult = ffi::ResultBuffer<ffi::F32, 2>;
 using Int8Matrix = ffi::Buffer<ffi::S8, 2>;
 using Int32Vector = ffi::Buffer<ffi::S32, 1>;
@@ -68,11 +67,6 @@ inline float Dot(const float* row, const float* x, int64_t k) {
   for (; j < k; ++j) total += row[j] * x[j];
   for (float s : sums) total += s;
   return total;
-}
-
-// y[r] = w[r, 0:k] · x for r in r0..r1.
-void DotRows(const float* x, const float* w, float* y, int64_t k, int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) y[r] = Dot(w + r * k, x, k);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -216,41 +210,200 @@ void DotInt8Batch(const float* x, int64_t rows, const int8_t* q, const float* s,
   }
 }
 
+// Eight (V8, AVX2's registers) or sixteen (V16, AVX-512's) float lanes as GCC's vector extensions, loaded and stored
+// at any alignment.
+#pragma GCC diagnostic ignored "-Wpsabi"  // V16 passed between always-inlined helpers only: no call ever uses the ABI
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V16 __attribute__((vector_size(64)));
+
+template <typename V>
+__attribute__((always_inline)) inline V Load(const float* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+template <typename V>
+__attribute__((always_inline)) inline void Store(float* p, V v) {
+  __builtin_memcpy(p, &v, sizeof(V));
+}
+
+// Whether this CPU has AVX-512 (the kernels below then use its registers).
+bool HasAvx512() {
+#if defined(__x86_64__)
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  return avx512;
+#else
+  return false;
+#endif
+}
+
+#ifdef LINNET_AVX2
+// Four vectors' sums: [Σ s0, Σ s1, Σ s2, Σ s3].
+inline __m128 SumLanes(V8 s0, V8 s1, V8 s2, V8 s3) {
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps((__m256)s0, (__m256)s1), _mm256_hadd_ps((__m256)s2, (__m256)s3));
+  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
+__attribute__((always_inline)) inline V8 Fold(V8 v) { return v; }
+
+__attribute__((always_inline)) inline V8 Fold(V16 v) {  // the two halves added
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+// y[i, 0:4] (i < kRows, y's rows `stride` apart) = a's rows (c apart) · b0..b3 (c apart) over 0:depth, V's lanes at
+// a time.
+template <typename V, int kRows>
+__attribute__((always_inline)) inline void DotGroup(const float* a, int64_t c, const float* b0, int64_t depth,
+                                                    float* y, int64_t stride) {
+  constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+  const float *b1 = b0 + c, *b2 = b1 + c, *b3 = b2 + c;
+  V s[kRows][4] = {};
+  const int64_t vector_depth = depth - depth % kLanes;
+  for (int64_t p = 0; p < vector_depth; p += kLanes) {
+    const V w0 = Load<V>(b0 + p), w1 = Load<V>(b1 + p), w2 = Load<V>(b2 + p), w3 = Load<V>(b3 + p);
+    for (int i = 0; i < kRows; ++i) {
+      const V x = Load<V>(a + i * c + p);
+      s[i][0] += w0 * x;
+      s[i][1] += w1 * x;
+      s[i][2] += w2 * x;
+      s[i][3] += w3 * x;
+    }
+  }
+  for (int i = 0; i < kRows; ++i) {
+    const float* ai = a + i * c;
+    float tail[4] = {0, 0, 0, 0};
+    for (int64_t p = vector_depth; p < depth; ++p) {
+      tail[0] += ai[p] * b0[p];
+      tail[1] += ai[p] * b1[p];
+      tail[2] += ai[p] * b2[p];
+      tail[3] += ai[p] * b3[p];
+    }
+    const __m128 sums = SumLanes(Fold(s[i][0]), Fold(s[i][1]), Fold(s[i][2]), Fold(s[i][3]));
+    _mm_storeu_ps(y + i * stride, _mm_add_ps(sums, _mm_loadu_ps(tail)));
+  }
+}
+
+// DotRowGroups' vector part for j in j0..j1 - (j1 - j0) % 4, kRows rows of a per pass over a group (as many as
+// V's registers hold the sums of); returns where it stopped.
+template <typename V, int kRows>
+__attribute__((always_inline)) inline int64_t DotGroups(const float* a, int64_t rows, const float* b, int64_t c,
+                                                        int64_t depth, float* y, int64_t stride, int64_t j0,
+                                                        int64_t j1) {
+  int64_t j = j0;
+  for (; j + 4 <= j1; j += 4) {
+    if (j + 8 <= j1)  // the next group's rows, on their way while this one is summed
+      for (int64_t p = 0; p < 4 * c; p += 16) __builtin_prefetch(b + (j + 4) * c + p);
+    int64_t i = 0;
+    for (; i + kRows <= rows; i += kRows) DotGroup<V, kRows>(a + i * c, c, b + j * c, depth, y + i * stride + j, stride);
+    for (; i < rows; ++i) DotGroup<V, 1>(a + i * c, c, b + j * c, depth, y + i * stride + j, stride);
+  }
+  return j;
+}
+
+int64_t DotGroupsAvx2(const float* a, int64_t rows, const float* b, int64_t c, int64_t depth, float* y,
+                      int64_t stride, int64_t j0, int64_t j1) {
+  return DotGroups<V8, 2>(a, rows, b, c, depth, y, stride, j0, j1);
+}
+
+__attribute__((target("avx512f"))) int64_t DotGroupsAvx512(const float* a, int64_t rows, const float* b, int64_t c,
+                                                           int64_t depth, float* y, int64_t stride, int64_t j0,
+                                                           int64_t j1) {
+  return DotGroups<V16, 4>(a, rows, b, c, depth, y, stride, j0, j1);
+}
+#endif
+
 // y[i, j] = a[i, 0:depth] · b[j, 0:depth] for i < rows and j in j0..j1 (a's and b's rows c apart, y's `stride`
-// apart): four rows of b at a time, each group dotted with every row of a while it sits in L1.
+// apart): four rows of b at a time, each group dotted with every row of a (two at a time) while it sits in L1.
 void DotRowGroups(const float* a, int64_t rows, const float* b, int64_t c, int64_t depth, float* y, int64_t stride,
                   int64_t j0, int64_t j1) {
   int64_t j = j0;
 #ifdef LINNET_AVX2
-  const int64_t vector_c = depth - depth % 8;
-  for (; j + 4 <= j1; j += 4) {
-    const float *b0 = b + j * c, *b1 = b0 + c, *b2 = b1 + c, *b3 = b2 + c;
-    for (int64_t i = 0; i < rows; ++i) {
-      const float* ai = a + i * c;
-      __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-      for (int64_t p = 0; p < vector_c; p += 8) {
-        const __m256 x = _mm256_loadu_ps(ai + p);
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(b0 + p), x, s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(b1 + p), x, s1);
-        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(b2 + p), x, s2);
-        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(b3 + p), x, s3);
-      }
-      // [s0, s1, s2, s3] summed lane-wise into four values
-      const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
-      __m128 sums = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
-      float tail[4] = {0, 0, 0, 0};
-      for (int64_t p = vector_c; p < depth; ++p) {
-        tail[0] += ai[p] * b0[p];
-        tail[1] += ai[p] * b1[p];
-        tail[2] += ai[p] * b2[p];
-        tail[3] += ai[p] * b3[p];
-      }
-      _mm_storeu_ps(y + i * stride + j, _mm_add_ps(sums, _mm_loadu_ps(tail)));
-    }
-  }
+  j = (HasAvx512() ? DotGroupsAvx512 : DotGroupsAvx2)(a, rows, b, c, depth, y, stride, j0, j1);
 #endif
   for (; j < j1; ++j)
     for (int64_t i = 0; i < rows; ++i) y[i * stride + j] = Dot(b + j * c, a + i * c, depth);
+}
+
+constexpr int64_t kBatchWeightRows = 16;  // weight rows streamed side by side, each read from memory once
+
+// y[t, 0:2L] += x[t, r:r + kBatchWeightRows] · w[r:r + kBatchWeightRows, 0:2L] for the kRows rows t of x (x's rows k
+// apart, w's and y's n apart), L the lanes of V.
+template <typename V, int kRows>
+__attribute__((always_inline)) inline void AddPanel(const float* x, int64_t k, const float* w, int64_t n, float* y,
+                                                    int64_t r) {
+  constexpr int kLanes = sizeof(V) / sizeof(float);
+  V lo[kRows], hi[kRows];
+  for (int t = 0; t < kRows; ++t) {
+    lo[t] = Load<V>(y + t * n);
+    hi[t] = Load<V>(y + t * n + kLanes);
+  }
+  for (int64_t i = r; i < r + kBatchWeightRows; ++i) {
+    const V w0 = Load<V>(w + i * n), w1 = Load<V>(w + i * n + kLanes);
+    for (int t = 0; t < kRows; ++t) {
+      const float xt = x[t * k + i];
+      lo[t] += w0 * xt;
+      hi[t] += w1 * xt;
+    }
+  }
+  for (int t = 0; t < kRows; ++t) {
+    Store(y + t * n, lo[t]);
+    Store(y + t * n + kLanes, hi[t]);
+  }
+}
+
+// y[0:rows, j:j+2L] += x[0:rows, r:r + kBatchWeightRows] · w[r:r + kBatchWeightRows, j:j+2L] for j < n - n % 2L,
+// four rows of y at a time; returns n - n % 2L.
+template <typename V>
+__attribute__((always_inline)) inline int64_t AddPanels(const float* x, int64_t k, int64_t rows, const float* w,
+                                                        float* y, int64_t n, int64_t r) {
+  constexpr int64_t kWidth = 2 * sizeof(V) / sizeof(float);
+  const int64_t vector_n = n - n % kWidth;
+  for (int64_t j = 0; j < vector_n; j += kWidth) {
+    int64_t t = 0;
+    for (; t + 4 <= rows; t += 4) AddPanel<V, 4>(x + t * k, k, w + j, n, y + t * n + j, r);
+    switch (rows - t) {
+      case 3: AddPanel<V, 3>(x + t * k, k, w + j, n, y + t * n + j, r); break;
+      case 2: AddPanel<V, 2>(x + t * k, k, w + j, n, y + t * n + j, r); break;
+      case 1: AddPanel<V, 1>(x + t * k, k, w + j, n, y + t * n + j, r); break;
+      default: break;
+    }
+  }
+  return vector_n;
+}
+
+int64_t AddPanelsAvx2(const float* x, int64_t k, int64_t rows, const float* w, float* y, int64_t n, int64_t r) {
+  return AddPanels<V8>(x, k, rows, w, y, n, r);
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) int64_t AddPanelsAvx512(const float* x, int64_t k, int64_t rows, const float* w,
+                                                           float* y, int64_t n, int64_t r) {
+  return AddPanels<V16>(x, k, rows, w, y, n, r);
+}
+#endif
+
+// y[0:rows, 0:n] = x[0:rows, r0:r1] · w[r0:r1, 0:n] (x [rows, k]): kBatchWeightRows weight rows at a time, streamed
+// side by side a panel of columns at a time, each panel added into every row of y, four rows at a time (with
+// AVX-512's registers where the CPU has them).
+void AccumulateBatch(const float* x, int64_t k, int64_t rows, const float* w, float* y, int64_t n, int64_t r0,
+                     int64_t r1) {
+#if defined(__x86_64__)
+  const auto add_panels = HasAvx512() ? AddPanelsAvx512 : AddPanelsAvx2;
+#else
+  const auto add_panels = AddPanelsAvx2;
+#endif
+  std::memset(y, 0, rows * n * sizeof(float));
+  int64_t r = r0;
+  for (; r + kBatchWeightRows <= r1; r += kBatchWeightRows) {
+    const int64_t vector_n = add_panels(x, k, rows, w, y, n, r);
+    for (int64_t t = 0; t < rows; ++t)
+      for (int64_t i = r; i < r + kBatchWeightRows; ++i)
+        for (int64_t j = vector_n; j < n; ++j) y[t * n + j] += x[t * k + i] * w[i * n + j];
+  }
+  for (; r < r1; ++r)
+    for (int64_t t = 0; t < rows; ++t)
+      for (int64_t j = 0; j < n; ++j) y[t * n + j] += x[t * k + r] * w[r * n + j];
 }
 
 // Runs part(i) for i in 0..parts-1 and returns when all are done. This thread and parts-1 pool tasks each
@@ -312,18 +465,24 @@ void SplitOutputs(ffi::ThreadPool& pool, int64_t n, const RowsPart& dot) {
   RunParts(pool, parts, [&](int64_t i) { dot(i * step, std::min(n, (i + 1) * step)); });
 }
 
-ffi::Error Xw(ffi::ThreadPool pool, Vector x, Matrix w, VectorResult y) {
-  const int64_t k = w.dimensions()[0], n = w.dimensions()[1];
-  SplitInputs(pool, k, n, y->typed_data(), [&](float* out, int64_t r0, int64_t r1) {
-    AccumulateRows(x.typed_data(), w.typed_data(), out, n, r0, r1);
+// The float32 products take x [T, K] and give y [T, N]: one row through the one-row loops above, several through
+// the batch ones, which read each weight once for all the rows.
+ffi::Error Xw(ffi::ThreadPool pool, Matrix x, Matrix w, MatrixResult y) {
+  const int64_t rows = x.dimensions()[0], k = w.dimensions()[0], n = w.dimensions()[1];
+  SplitInputs(pool, k, rows * n, y->typed_data(), [&](float* out, int64_t r0, int64_t r1) {
+    if (rows == 1) {
+      AccumulateRows(x.typed_data(), w.typed_data(), out, n, r0, r1);
+    } else {
+      AccumulateBatch(x.typed_data(), k, rows, w.typed_data(), out, n, r0, r1);
+    }
   });
   return ffi::Error::Success();
 }
 
-ffi::Error Wx(ffi::ThreadPool pool, Vector x, Matrix w, VectorResult y) {
-  const int64_t k = w.dimensions()[1];
-  SplitOutputs(pool, w.dimensions()[0], [&](int64_t r0, int64_t r1) {
-    DotRows(x.typed_data(), w.typed_data(), y->typed_data(), k, r0, r1);
+ffi::Error Wx(ffi::ThreadPool pool, Matrix x, Matrix w, MatrixResult y) {
+  const int64_t rows = x.dimensions()[0], n = w.dimensions()[0], k = w.dimensions()[1];
+  SplitOutputs(pool, n, [&](int64_t r0, int64_t r1) {
+    DotRowGroups(x.typed_data(), rows, w.typed_data(), k, k, y->typed_data(), n, r0, r1);
   });
   return ffi::Error::Success();
 }
@@ -380,10 +539,10 @@ ffi::Error Abt(ffi::ThreadPool pool, Cube a, Cube b, Int32Vector slots, CubeResu
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LinnetXw, Xw,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Vector>().Arg<Matrix>().Ret<Vector>());
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix>().Arg<Matrix>().Ret<Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LinnetWx, Wx,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Vector>().Arg<Matrix>().Ret<Vector>());
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix>().Arg<Matrix>().Ret<Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     LinnetXwInt8, XwInt8,

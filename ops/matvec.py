@@ -3,9 +3,10 @@
 XLA:CPU runs a product under ~2 MB (a small model's q, k, v and o projections) on one core, and the
 larger ones below the bandwidth two cores reach; the kernels split every product's rows across the
 calling thread and XLA's intra-op pool (benchmarks/RESULTS.md). `einsum` takes what `jnp.einsum` takes
-and sends a product of float32 activations to a kernel: one row with float32 weights, or a few rows (a decode
-step's) with int8 ones and float32 scales in blocks of contiguous inputs (read as int8, a quarter of the bytes,
-each weight dequantized once for all the rows); anything else goes to `ops.quantized.einsum`.
+and sends a product of a few rows of float32 activations (a decode or verify step's) to a kernel, with float32
+weights or int8 ones and float32 scales in blocks of contiguous inputs (read as int8, a quarter of the bytes),
+each weight read (and dequantized) once for all the rows; anything else goes to `ops.quantized.einsum`.
+`batched` runs attention's products over the cache for a few query rows.
 The hardware plan chooses it (`linnet_jax.backend.Plan.einsum`, on one XLA:CPU device where
 `available()`); exports and other platforms never see a kernel.
 """
@@ -107,13 +108,13 @@ def register() -> None:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
 
 
-INT8_ROWS = 32  # the most activation rows an int8 product takes (a decode step's; each weight dequantized once)
+KERNEL_ROWS = 32  # the most activation rows a product takes through the kernels (a decode or verify step's)
 
 
 def einsum(spec: str, x: jax.Array, w, **options) -> jax.Array:
-    """`ops.quantized.einsum(spec, x, w, **options)`, through a kernel when x's rows of float32 activations contract
-    their trailing axes with w's leading (x · w) or trailing (w · x) axes and the output is x's free axes then w's:
-    one row with float32 weights, up to INT8_ROWS with int8 ones and float32 scales (`kernel_scales`)."""
+    """`ops.quantized.einsum(spec, x, w, **options)`, through a kernel when up to KERNEL_ROWS rows of float32
+    activations contract their trailing axes with w's leading (x · w) or trailing (w · x) axes and the output is x's
+    free axes then w's, and w is float32 or int8 with float32 scales (`kernel_scales`)."""
     inputs, out = spec.split("->")
     x_axes, w_axes = inputs.split(",")
     contracted = "".join(axis for axis in x_axes if axis in w_axes and axis not in out)
@@ -121,37 +122,31 @@ def einsum(spec: str, x: jax.Array, w, **options) -> jax.Array:
     input_first = bool(contracted) and w_axes.startswith(contracted)  # w[K, ...]; else w[..., K] or neither
     w_free = w_axes[k:] if input_first else w_axes[:-k] if contracted and w_axes.endswith(contracted) else None
     scales = kernel_scales(w, k, input_first) if is_quantized(w) and w_free is not None else None
-    most_rows = INT8_ROWS if scales is not None else 1 if w.dtype == jnp.float32 and not is_quantized(w) else 0
+    takes_w = scales is not None or (w.dtype == jnp.float32 and not is_quantized(w))
     count = math.prod(x.shape[:len(rows)])
     if (w_free is None or not x_axes.endswith(contracted) or out != rows + w_free or x.dtype != jnp.float32
-            or not 1 <= count <= most_rows):
+            or not takes_w or not 1 <= count <= KERNEL_ROWS):
         return quantized_einsum(spec, x, w, **options)
     register()
     width = math.prod(x.shape[len(rows):])
     free_shape = w.shape[k:] if input_first else w.shape[:-k]
-    if scales is None:
-        matrix = w.reshape(width, -1) if input_first else w.reshape(-1, width)
-        y = jax.ffi.ffi_call("linnet_xw" if input_first else "linnet_wx", jax.ShapeDtypeStruct(
-            (math.prod(free_shape),), jnp.float32))(x.reshape(width), matrix)
-    else:
-        matrix = w.qvalue.reshape(width, -1) if input_first else w.qvalue.reshape(-1, width)
-        y = jax.ffi.ffi_call("linnet_xw_int8" if input_first else "linnet_wx_int8", jax.ShapeDtypeStruct(
-            (count, math.prod(free_shape)), jnp.float32))(x.reshape(count, width), matrix, scales)
+    values = w if scales is None else w.qvalue
+    matrix = values.reshape(width, -1) if input_first else values.reshape(-1, width)
+    target = ("linnet_xw" if input_first else "linnet_wx") + ("" if scales is None else "_int8")
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((count, math.prod(free_shape)), jnp.float32))(
+        x.reshape(count, width), matrix, *(() if scales is None else (scales,)))
     return y.reshape(*x.shape[:len(rows)], *free_shape)
-
-
-BATCHED_ROWS = 32  # the most rows of a that `batched` takes (a decode or verify step's queries of one key/value head)
 
 
 def batched(a: jax.Array, b: jax.Array, slots: jax.Array, slots_contracted: bool) -> jax.Array:
     """out[n, i, j] = Σ_c a[n, i, c] · b[n, j, c]: a [N, I, C], b [N, J, C] → float32 [N, I, J], attention's products
     over each n's first slots[n] key slots ([N] int32): b's rows j (slots_contracted False: the scores, a the queries,
     b the keys; past them the kernel gives 0) or the contracted c (True: the mixing, a the probabilities, which must
-    be 0 past them, b the values). Through a kernel for float32 operands and I ≤ BATCHED_ROWS, each row of b read
+    be 0 past them, b the values). Through a kernel for float32 operands and I ≤ KERNEL_ROWS, each row of b read
     once for all of a's rows (XLA:CPU's batched dot reads a cache too large for the caches at several times the
     bandwidth cost, benchmarks/RESULTS.md); else jnp.einsum over every slot."""
     (n, rows, _), j = a.shape, b.shape[1]
-    if not (a.dtype == b.dtype == jnp.float32 and rows <= BATCHED_ROWS):
+    if not (a.dtype == b.dtype == jnp.float32 and rows <= KERNEL_ROWS):
         return jnp.einsum("nic,njc->nij", a, b, preferred_element_type=jnp.float32)
     register()
     return jax.ffi.ffi_call("linnet_abt", jax.ShapeDtypeStruct((n, rows, j), jnp.float32))(

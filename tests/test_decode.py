@@ -13,7 +13,6 @@ from linnet_jax import generate
 from linnet_jax.backend import XLA_DOTS, mid_width_xla_dots, plan_for_platform
 from linnet_jax.decode import FREE, LENGTH, RUNNING, decode, decode_program, empty_slots, free
 from linnet_jax.inputs import STOP_ID_SLOTS, extend_rows, make_requests, make_sampling, new_slots, stop_id_array
-from linnet_jax.ops import matvec
 from linnet_jax.sharding import host
 
 UPDATE_OPS = ("stablehlo.dynamic_update_slice", "stablehlo.scatter")
@@ -164,14 +163,14 @@ def test_a_row_reused_by_a_shorter_request_never_reads_the_longer_ones_slots(tin
     assert np.array_equal(row0[:, 10:49], stale[:, 10:49])  # the rest left as it was: masked, never read
 
 def test_the_plan_compiles_mid_width_decode_with_xla_dots(tiny_dir):
-    """On one AVX2 CPU the plan compiles a decode program of 8 to 24 rows without YNNPACK's fusions (XLA's own
-    dots), others with them (on an AVX-512 CPU all with them); 16 rows, greedy and sampled, give the tokens the
-    default program gives."""
+    """Without the kernels, on one AVX2 CPU the plan compiles a decode program of 8 to 24 rows without YNNPACK's
+    fusions (XLA's own dots), others with them (on an AVX-512 CPU all with them); 16 rows, greedy and sampled, give
+    the tokens the default program gives. With the kernels (which take these products) the options stay unset."""
     assert mid_width_xla_dots(frozenset({"avx2", "fma"})) == (8, 24)
     assert mid_width_xla_dots(frozenset({"avx2", "fma", "avx512f"})) is None
-    assert plan_for_platform("cpu").xla_dot_rows == mid_width_xla_dots(matvec.cpu_flags())
+    assert plan_for_platform("cpu").matvec_kernels and plan_for_platform("cpu").xla_dot_rows is None
     model = dataclasses.replace(linnet_jax.load(tiny_dir("llama_gqa_llama3")[1], progress=False))
-    model.__dict__["plan"] = dataclasses.replace(model.plan, xla_dot_rows=(8, 24))  # the AVX2 plan, preset
+    model.__dict__["plan"] = dataclasses.replace(model.plan, matvec_kernels=False, xla_dot_rows=(8, 24))  # AVX2's
     assert [model.plan.decode_options(rows) for rows in (4, 8, 16, 24, 32)] == [(), XLA_DOTS, XLA_DOTS, XLA_DOTS, ()]
     rng = np.random.default_rng(4)
     jobs = [Job(rng.integers(3, 256, 5 + row).tolist(), 12, temperature=0.8 * (row % 2), seed=row) for row in range(16)]

@@ -17,7 +17,8 @@ from linnet_jax.ops import matvec, quantized
 
 from test_unrolled import prefill_then_decode
 
-# Every product of a decode step (SmolLM2's shapes), an odd-sized one, and the head stored [vocab, embed].
+# Every product of a decode step (SmolLM2's shapes), an odd-sized one, and the head stored [vocab, embed]; one row,
+# and the rows of a verify or a batched decode step (each kernel's row tails: 4 per pass over xw, 2 or 4 over wx).
 KERNEL_CASES = [
     ("btd,dhk->bthk", (1, 1, 576), (576, 9, 64)),
     ("btd,dgk->btgk", (1, 1, 576), (576, 3, 64)),
@@ -27,11 +28,17 @@ KERNEL_CASES = [
     ("btd,vd->btv", (1, 1, 576), (49152, 576)),
     ("btd,df->btf", (1, 1, 67), (67, 13)),
     ("btd,vd->btv", (1, 1, 67), (13, 67)),
+    ("btd,df->btf", (1, 9, 576), (576, 1536)),
+    ("btf,fd->btd", (16, 1, 1536), (1536, 576)),
+    ("btd,vd->btv", (1, 7, 576), (49152, 576)),
+    ("btd,df->btf", (3, 2, 67), (67, 45)),
+    ("btd,vd->btv", (2, 3, 67), (13, 67)),
+    ("btd,df->btf", (32, 1, 64), (64, 32)),
 ]
-# What stays with jnp.einsum: several rows, narrow weights, a contraction the kernels do not take.
+# What stays with jnp.einsum: more rows than the kernels take, bfloat16, a contraction the kernels do not take.
 PLAIN_CASES = [
-    ("btd,df->btf", (2, 1, 64), (64, 32), jnp.float32),
-    ("btd,vd->btv", (1, 3, 64), (100, 64), jnp.float32),
+    ("btd,df->btf", (33, 1, 64), (64, 32), jnp.float32),
+    ("btd,vd->btv", (1, 33, 64), (100, 64), jnp.float32),
     ("btd,df->btf", (1, 1, 64), (64, 32), jnp.bfloat16),
     ("ntk,nsk->nts", (1, 1, 64), (1, 16, 64), jnp.float32),
 ]

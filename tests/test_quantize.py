@@ -34,7 +34,7 @@ PRODUCTS = [  # (spec, weight shape, its contracted axes): every product the mod
 ]
 
 
-@pytest.mark.parametrize("rows", [1, 3, matvec.INT8_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, matvec.KERNEL_ROWS + 1])
 @pytest.mark.parametrize("block", [None, 32])
 @pytest.mark.parametrize("spec, shape, contracted", PRODUCTS)
 def test_every_int8_product_equals_dequantize_then_float(spec, shape, contracted, block, rows):
@@ -51,7 +51,7 @@ def test_every_int8_product_equals_dequantize_then_float(spec, shape, contracted
     scale = float(jnp.abs(expected).max())
     assert float(jnp.abs(got - expected).max()) <= 2e-6 * scale * np.sqrt(np.prod([shape[a] for a in contracted]))
     kernel = "linnet_" in product.lower(x, q).as_text()
-    assert kernel == (rows <= matvec.INT8_ROWS and matvec.available())
+    assert kernel == (rows <= matvec.KERNEL_ROWS and matvec.available())
 
 
 @pytest.fixture(scope="module")
