@@ -96,6 +96,6 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     if products is None:
         out = jnp.stack([jnp.einsum("nts,nks->ntk", p, v) for p in probs])  # [R, N, T, K]
     else:
-        out = products(probs.transpose(1, 0, 2, 3).reshape(n, -1, s), v, slots, True)
+        out = products(probs.transpose(1, 0, 2, 3).reshape(n, -1, s), v, slots, True).astype(v.dtype)
         out = out.reshape(n, -1, t, d).transpose(1, 0, 2, 3)
     return out.reshape(-1, b, g, t, d).transpose(1, 3, 2, 0, 4).reshape(b, t, h, d)

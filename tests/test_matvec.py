@@ -122,6 +122,23 @@ def test_attention_products_over_the_filled_slots_equal_einsum(rows, depth, widt
                                atol=1e-5 * np.sqrt(width))
 
 
+@pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_attention_through_the_products_equals_the_per_head_form(dtype, tolerance):
+    """`ops.attention` with `products` (the plan's on one CPU: the kernel for float32, einsum for bfloat16) gives the
+    per-head form's output, in q's dtype; rows see different numbers of slots (one under a window)."""
+    from linnet_jax.ops.attention import attention
+
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+               for shape in ((2, 3, 6, 8), (4, 40, 8), (4, 8, 40)))
+    positions, slots = jnp.asarray([[5, 6, 7], [30, 31, 32]]), jnp.broadcast_to(jnp.arange(40), (2, 40))
+    for window in (0, 4):
+        got = attention(q, k, v, positions, slots, window, products=matvec.batched)
+        expected = attention(q, k, v, positions, slots, window)
+        assert got.dtype == dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), atol=tolerance)
+
+
 @pytest.mark.parametrize("name", ["llama_gqa_llama3", "mistral_sliding", "qwen2_bias_tied", "qwen3_qk_norm"])
 def test_decoding_through_the_kernels_equals_decoding_without(name, tiny_dir):
     """One row, and rows of different lengths: a prefill then one token at a time, the kernels' logits (products,
