@@ -177,8 +177,9 @@ def forward(
     constrain = constrain or (lambda array, axes: array)
     activation = ("batch", "seq", "embed")  # the logical axes of x
     x = constrain(quantized.take_rows(params.embed, tokens), activation)
-    einsum = quantized.einsum if plan is None else plan.einsum
-    products = None if plan is None else plan.attention_products(config.num_heads // config.num_kv_heads * tokens.shape[1])
+    t = tokens.shape[1]
+    einsum = quantized.einsum if plan is None else plan.step_einsum(t)
+    products = None if plan is None else plan.attention_products(config.num_heads // config.num_kv_heads * t, t)
     layer_fn = functools.partial(decoder_layer, einsum=einsum, fresh=fresh, products=products)
     if cache is not None or isinstance(params.layers, tuple) or not (lora is None or lora.layer_major):
         layer_fn = jax.checkpoint(layer_fn, static_argnums=(2, 4, 5)) if remat else layer_fn  # unrolled: static ints

@@ -42,21 +42,6 @@ using CubeResult = ffi::ResultBuffer<ffi::F32, 3>;
 
 constexpr int64_t kMinRowsPerPart = 64;  // below this a part costs more to hand over than to run
 
-// y[0:n] = x[r0:r1] · w[r0:r1, 0:n]: four weight rows per pass over y.
-void AccumulateRows(const float* x, const float* w, float* y, int64_t n, int64_t r0, int64_t r1) {
-  std::memset(y, 0, n * sizeof(float));
-  int64_t r = r0;
-  for (; r + 4 <= r1; r += 4) {
-    const float *w0 = w + r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
-    const float x0 = x[r], x1 = x[r + 1], x2 = x[r + 2], x3 = x[r + 3];
-    for (int64_t j = 0; j < n; ++j) y[j] += x0 * w0[j] + x1 * w1[j] + x2 * w2[j] + x3 * w3[j];
-  }
-  for (; r < r1; ++r) {
-    const float* w0 = w + r * n;
-    for (int64_t j = 0; j < n; ++j) y[j] += x[r] * w0[j];
-  }
-}
-
 // row[0:k] · x[0:k], eight partial sums.
 inline float Dot(const float* row, const float* x, int64_t k) {
   float sums[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -439,12 +424,17 @@ int64_t Parts(ffi::ThreadPool& pool, int64_t rows) {
   return std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), rows / kMinRowsPerPart));
 }
 
-// out[0:n] = the sum over the k input rows of accumulate(partial, r0, r1), each part of the rows accumulated into
-// its own partial by its own thread (part 0 into out).
+// out[0:n] = the sum over the k input rows of accumulate(partial, r0, r1): the rows cut into up to kInputParts parts
+// (whole groups of kBatchWeightRows) by k alone, each accumulated into its own partial by whichever thread claims it
+// (part 0 into out), the partials then added in order. So a product's sums do not depend on how many threads the
+// pool has (a one-core Ray replica gives what a two-core process gives).
+constexpr int64_t kInputParts = 8;
+
 template <typename Accumulate>
 void SplitInputs(ffi::ThreadPool& pool, int64_t k, int64_t n, float* out, const Accumulate& accumulate) {
-  const int64_t parts = Parts(pool, k);
-  const int64_t step = (k + parts - 1) / parts;
+  const int64_t most = std::max<int64_t>(1, std::min(kInputParts, k / kMinRowsPerPart));
+  const int64_t step = ((k + most - 1) / most + kBatchWeightRows - 1) / kBatchWeightRows * kBatchWeightRows;
+  const int64_t parts = (k + step - 1) / step;
   thread_local std::vector<float> scratch;  // the caller's: parts 1.. accumulate here, then into out
   scratch.resize((parts - 1) * n);
   float* partials = scratch.data();
@@ -461,20 +451,16 @@ void SplitInputs(ffi::ThreadPool& pool, int64_t k, int64_t n, float* out, const 
 template <typename RowsPart>
 void SplitOutputs(ffi::ThreadPool& pool, int64_t n, const RowsPart& dot) {
   const int64_t parts = Parts(pool, n);
-  const int64_t step = (n + parts - 1) / parts;
+  const int64_t step = ((n + parts - 1) / parts + 3) / 4 * 4;  // whole groups of four: a row's sums never depend on n
   RunParts(pool, parts, [&](int64_t i) { dot(i * step, std::min(n, (i + 1) * step)); });
 }
 
-// The float32 products take x [T, K] and give y [T, N]: one row through the one-row loops above, several through
-// the batch ones, which read each weight once for all the rows.
+// The float32 products take x [T, K] and give y [T, N] through the batch loops, which read each weight once for all
+// the rows and sum each row in the same order whatever T is (a request's tokens do not depend on its batch).
 ffi::Error Xw(ffi::ThreadPool pool, Matrix x, Matrix w, MatrixResult y) {
   const int64_t rows = x.dimensions()[0], k = w.dimensions()[0], n = w.dimensions()[1];
   SplitInputs(pool, k, rows * n, y->typed_data(), [&](float* out, int64_t r0, int64_t r1) {
-    if (rows == 1) {
-      AccumulateRows(x.typed_data(), w.typed_data(), out, n, r0, r1);
-    } else {
-      AccumulateBatch(x.typed_data(), k, rows, w.typed_data(), out, n, r0, r1);
-    }
+    AccumulateBatch(x.typed_data(), k, rows, w.typed_data(), out, n, r0, r1);
   });
   return ffi::Error::Success();
 }

@@ -143,9 +143,12 @@ def test_attention_through_the_products_equals_the_per_head_form(dtype, toleranc
 def test_decoding_through_the_kernels_equals_decoding_without(name, tiny_dir):
     """One row, and rows of different lengths: a prefill then one token at a time, the kernels' logits (products,
     and attention over each row's filled slots) are einsum's, to float32 rounding, at every position a row holds."""
-    model = linnet_jax.load(tiny_dir(name)[1], progress=False)
+    model = dataclasses.replace(linnet_jax.load(tiny_dir(name)[1], progress=False))
     assert model.plan.matvec_kernels and model.plan.einsum is matvec.einsum
-    assert model.plan.attention_products(3) is matvec.batched and model.plan.attention_products(33) is None
+    assert model.plan.attention_products(3, 1) is None  # opt-in: Plan.attention_kernel
+    model.__dict__["plan"] = dataclasses.replace(model.plan, attention_kernel=True)
+    assert model.plan.attention_products(3, 1) is matvec.batched and model.plan.attention_products(33, 11) is None
+    assert model.plan.attention_products(16, 16) is None and model.plan.step_einsum(16) is quantized.einsum
     params = decode_params(model.params, model.plan)
     ids = np.random.default_rng(4).integers(0, model.config.vocab_size, (3, 30))
     positions = np.stack([np.arange(30), np.r_[np.arange(24), [-1] * 6], np.r_[np.arange(12), [-1] * 18]])
@@ -164,7 +167,7 @@ def test_generate_on_smollm2_runs_the_kernels(smollm2):
     assert smollm2.plan.einsum is matvec.einsum
     program = decode_program().lower(smollm2.decode_params, smollm2.config, new_slots(smollm2, 1, 64),
                                      np.int32(4), 4, plan=smollm2.plan).as_text()
-    assert "linnet_xw" in program and "linnet_wx" in program and "linnet_abt" in program
+    assert "linnet_xw" in program and "linnet_wx" in program
     plain = dataclasses.replace(smollm2)
     plain.__dict__["plan"] = dataclasses.replace(smollm2.plan, matvec_kernels=False)  # the cached property, preset
     prompt = "The three primary colors are"
