@@ -13,9 +13,10 @@ A `Plan` is hashable: `Model.plan` holds it and the cached programs (`forward`, 
   this CPU and jaxlib can run them. XLA:CPU runs a one-row product on one core and YNNPACK's few-row products on
   one core too; the kernels split them across its threads and read each weight once for all the rows (with
   AVX-512's registers where the CPU has them), in an order that depends on neither the rows nor the threads.
-  Prompt chunks (16 positions or more, `step_einsum`) keep XLA's products. With `attention_kernel` (opt-in),
-  attention's products over the cache for a few query rows (`attention_products`) go through a kernel too: XLA's
-  batched dot re-reads a cache of several rows once per query head, at a third of the bandwidth. SmolLM2's
+  Prompt chunks (16 positions or more, `step_einsum`) keep XLA's products. Attention's products over the cache for a
+  few query rows (`attention_products`) go through a kernel too: XLA's batched dot re-reads a cache of several rows
+  once per query head, at a third of the bandwidth; the kernel reads each row's filled slots once, and its sums do
+  not depend on how many slots past a row's last it is given (a request's tokens do not depend on its batch). SmolLM2's
   sampled 16-row step: 116 ms with XLA's products, 68 ms with both kernels (benchmarks/RESULTS.md).
 - `decode_options(rows)`: XLA compiler options for a decode program of that many rows, on one CPU device without
   the kernels: XLA's own dot emitter in place of YNNPACK's from 8 to 24 rows on an AVX2 CPU, where YNNPACK's dots
@@ -42,10 +43,6 @@ class Plan:
     unstacked_layers: bool
     matvec_kernels: bool
     xla_dot_rows: tuple[int, int] | None = None  # (fewest, most) decode rows whose programs use XLA's own dots
-    # attention's products through `ops.matvec.batched` (opt-in, where matvec_kernels): the 16-row step 116 -> 84 ms,
-    # but a one-core Ray replica's seeded samples then differ from a two-core process's (tests/test_ray.py), not
-    # yet explained, so it stays off by default
-    attention_kernel: bool = False
 
     @property
     def einsum(self) -> Callable:
@@ -63,8 +60,8 @@ class Plan:
         """How attention's products run for `rows` query rows per key/value head (heads per group × new positions)
         in a forward of `positions` new positions per row: `ops.matvec.batched` (all of a group's rows through one
         kernel, each cached key and value read once) for a decode or verify step where the kernels run and take that
-        many rows and `attention_kernel` is set, else None (one XLA product per query head)."""
-        kernel = self.matvec_kernels and self.attention_kernel and positions < STEP_POSITIONS
+        many rows, else None (one XLA product per query head)."""
+        kernel = self.matvec_kernels and positions < STEP_POSITIONS
         return matvec.batched if kernel and rows <= matvec.KERNEL_ROWS else None
 
     def decode_options(self, rows: int) -> tuple[tuple[str, str], ...]:

@@ -236,37 +236,43 @@ __attribute__((always_inline)) inline V8 Fold(V16 v) {  // the two halves added
   return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
+// The first `count` (< L) floats at p, then zeros: a depth's last, partial vector, summed in the same lanes as a whole
+// one would be.
+template <typename V>
+__attribute__((always_inline)) inline V LoadPartial(const float* p, int64_t count) {
+  float padded[sizeof(V) / sizeof(float)] = {};
+  __builtin_memcpy(padded, p, count * sizeof(float));
+  return Load<V>(padded);
+}
+
 // y[i, 0:4] (i < kRows, y's rows `stride` apart) = a's rows (c apart) · b0..b3 (c apart) over 0:depth, V's lanes at
-// a time.
+// a time, element p always in lane p % L: terms past the last nonzero one add exact zeros, so a row's sums do not
+// depend on how far depth reaches past them (attention's mixing over a row's filled slots).
 template <typename V, int kRows>
 __attribute__((always_inline)) inline void DotGroup(const float* a, int64_t c, const float* b0, int64_t depth,
                                                     float* y, int64_t stride) {
   constexpr int64_t kLanes = sizeof(V) / sizeof(float);
   const float *b1 = b0 + c, *b2 = b1 + c, *b3 = b2 + c;
   V s[kRows][4] = {};
-  const int64_t vector_depth = depth - depth % kLanes;
+  const auto add = [&](V w0, V w1, V w2, V w3, int i, V x) {
+    s[i][0] += w0 * x;
+    s[i][1] += w1 * x;
+    s[i][2] += w2 * x;
+    s[i][3] += w3 * x;
+  };
+  const int64_t vector_depth = depth - depth % kLanes, rest = depth - vector_depth;
   for (int64_t p = 0; p < vector_depth; p += kLanes) {
     const V w0 = Load<V>(b0 + p), w1 = Load<V>(b1 + p), w2 = Load<V>(b2 + p), w3 = Load<V>(b3 + p);
-    for (int i = 0; i < kRows; ++i) {
-      const V x = Load<V>(a + i * c + p);
-      s[i][0] += w0 * x;
-      s[i][1] += w1 * x;
-      s[i][2] += w2 * x;
-      s[i][3] += w3 * x;
-    }
+    for (int i = 0; i < kRows; ++i) add(w0, w1, w2, w3, i, Load<V>(a + i * c + p));
   }
-  for (int i = 0; i < kRows; ++i) {
-    const float* ai = a + i * c;
-    float tail[4] = {0, 0, 0, 0};
-    for (int64_t p = vector_depth; p < depth; ++p) {
-      tail[0] += ai[p] * b0[p];
-      tail[1] += ai[p] * b1[p];
-      tail[2] += ai[p] * b2[p];
-      tail[3] += ai[p] * b3[p];
-    }
-    const __m128 sums = SumLanes(Fold(s[i][0]), Fold(s[i][1]), Fold(s[i][2]), Fold(s[i][3]));
-    _mm_storeu_ps(y + i * stride, _mm_add_ps(sums, _mm_loadu_ps(tail)));
+  if (rest) {
+    const int64_t p = vector_depth;
+    const V w0 = LoadPartial<V>(b0 + p, rest), w1 = LoadPartial<V>(b1 + p, rest), w2 = LoadPartial<V>(b2 + p, rest),
+            w3 = LoadPartial<V>(b3 + p, rest);
+    for (int i = 0; i < kRows; ++i) add(w0, w1, w2, w3, i, LoadPartial<V>(a + i * c + p, rest));
   }
+  for (int i = 0; i < kRows; ++i)
+    _mm_storeu_ps(y + i * stride, SumLanes(Fold(s[i][0]), Fold(s[i][1]), Fold(s[i][2]), Fold(s[i][3])));
 }
 
 // DotRowGroups' vector part for j in j0..j1 - (j1 - j0) % 4, kRows rows of a per pass over a group (as many as

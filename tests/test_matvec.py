@@ -91,6 +91,17 @@ def test_a_kernel_product_equals_einsum(spec, x_shape, w_shape):
     assert float(jnp.abs(got - expected).max()) < 1e-5 * scale * np.sqrt(x.size)
 
 
+@pytest.mark.parametrize("spec,x_shape,w_shape", KERNEL_CASES[:8])
+def test_a_kernel_products_row_is_the_same_alone_or_among_others(spec, x_shape, w_shape):
+    """A row's result, bit for bit, alone or among 5 (a request's tokens do not depend on its batch)."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((5, 1, *x_shape[2:]), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal(w_shape, dtype=np.float32))
+    together = np.asarray(jitted(spec)(x, w))
+    for row in (0, 4):
+        np.testing.assert_array_equal(np.asarray(jitted(spec)(x[row:row + 1], w))[0], together[row])
+
+
 @pytest.mark.parametrize("spec,x_shape,w_shape,dtype", PLAIN_CASES)
 def test_other_products_stay_with_einsum(spec, x_shape, w_shape, dtype):
     rng = np.random.default_rng(1)
@@ -122,6 +133,25 @@ def test_attention_products_over_the_filled_slots_equal_einsum(rows, depth, widt
                                atol=1e-5 * np.sqrt(width))
 
 
+def test_attention_products_of_a_row_depend_on_nothing_past_its_slots():
+    """A row's mixing, bit for bit, whatever slot count past its last nonzero probability it is given (an engine's
+    step may reach further than a row's own position) and whatever rows share the call: a request's tokens then do
+    not depend on its batch."""
+    rng = np.random.default_rng(5)
+    rows, depth, width, filled = 3, 16, 96, 37
+    probs = np.where(np.arange(width) < filled, rng.random((1, rows, width), dtype=np.float32), 0)
+    values = rng.standard_normal((1, depth, width), dtype=np.float32)
+    mixing = jax.jit(matvec.batched, static_argnums=3)
+    alone = np.asarray(mixing(jnp.asarray(probs), jnp.asarray(values), jnp.asarray([filled], jnp.int32), True))
+    for count in (38, 47, 48, 49, 64, width):
+        got = mixing(jnp.asarray(probs), jnp.asarray(values), jnp.asarray([count], jnp.int32), True)
+        np.testing.assert_array_equal(np.asarray(got), alone, err_msg=f"slots={count}")
+    more = np.concatenate([probs, rng.random((1, rows, width), dtype=np.float32)])
+    got = mixing(jnp.asarray(more), jnp.asarray(np.concatenate([values, values])), jnp.asarray([48, width], jnp.int32),
+                 True)
+    np.testing.assert_array_equal(np.asarray(got)[:1], alone)
+
+
 @pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 def test_attention_through_the_products_equals_the_per_head_form(dtype, tolerance):
     """`ops.attention` with `products` (the plan's on one CPU: the kernel for float32, einsum for bfloat16) gives the
@@ -145,8 +175,6 @@ def test_decoding_through_the_kernels_equals_decoding_without(name, tiny_dir):
     and attention over each row's filled slots) are einsum's, to float32 rounding, at every position a row holds."""
     model = dataclasses.replace(linnet_jax.load(tiny_dir(name)[1], progress=False))
     assert model.plan.matvec_kernels and model.plan.einsum is matvec.einsum
-    assert model.plan.attention_products(3, 1) is None  # opt-in: Plan.attention_kernel
-    model.__dict__["plan"] = dataclasses.replace(model.plan, attention_kernel=True)
     assert model.plan.attention_products(3, 1) is matvec.batched and model.plan.attention_products(33, 11) is None
     assert model.plan.attention_products(16, 16) is None and model.plan.step_einsum(16) is quantized.einsum
     params = decode_params(model.params, model.plan)
