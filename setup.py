@@ -19,7 +19,9 @@ setup(ext_modules=[Extension(
     include_dirs=[jax.ffi.include_dir()],
     # the headers' jaxlib (pyproject.toml's build requirements: the oldest supported), which ops/matvec.py checks
     define_macros=[("LINNET_JAXLIB_VERSION", f'"{version("jaxlib")}"')],
-    extra_compile_args=["-std=c++17", "-O3", *VECTOR_FLAGS],
+    # -ffp-contract=fast: a * b + c as one fused multiply-add (ISO C++ mode's default keeps them apart); the kernels
+    # sum each row in one order whatever else runs, so they stay independent of rows and threads
+    extra_compile_args=["-std=c++17", "-O3", "-ffp-contract=fast", *VECTOR_FLAGS],
     language="c++",
     optional=True,
 )])

@@ -4,14 +4,14 @@
 // YNNPACK's products of a few rows on one core (benchmarks/RESULTS.md). These split every product across the
 // calling thread and XLA's intra-op pool, each thread streaming its own contiguous weight rows, as llama.cpp splits
 // a product across its threads, and read each weight once for all of a step's rows. Float32 activations, float32 or
-// int8 weights; AVX2 + FMA on x86-64 (setup.py), and AVX-512's registers for the few-row float32 loops where the
-// CPU has them (`HasAvx512`).
+// int8 weights; AVX2 + FMA on x86-64 (setup.py), and AVX-512's registers for the few-row loops where the CPU has
+// them (`HasAvx512`).
 //
 //   linnet_xw: y[T, N] = x[T, K] · w[K, N]   (projections stored input-first)
 //   linnet_wx: y[T, N] = x[T, K] · w[N, K]ᵀ  (the lm head, stored [vocab, embed])
 //   linnet_xw_int8: y[T, N] = x[T, K] · (q[K, N] scaled by s[K / G, N])   (weight-only int8: each output's inputs
 //   linnet_wx_int8: y[T, N] = x[T, K] · (q[N, K] scaled by s[N, K / G])ᵀ  in blocks of G, one scale a block; a few
-//                                                                         rows T share each weight's dequantization)
+//                                                                         rows T share each weight's widening)
 //   linnet_abt: y[N, I, J] = a[N, I, C] · b[N, J, C]ᵀ per n   (attention's scores and mixing for a few query rows,
 //                                                             over each row's filled slots only: each key or value
 //                                                             read once for all of them)
@@ -56,148 +56,12 @@ inline float Dot(const float* row, const float* x, int64_t k) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define LINNET_AVX2 1
-// Eight int8 values as floats.
-inline __m256 Int8x8(const int8_t* q) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
-}
-
-inline float HorizontalSum(__m256 v) {
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_shuffle_ps(quarter, quarter, 1)));
-}
 #endif
-
-// sums[0:n] += x0 * q0[0:n] + x1 * q1[0:n] + x2 * q2[0:n] + x3 * q3[0:n], for four int8 rows.
-inline void AddInt8Rows(float* sums, const int8_t* q0, const int8_t* q1, const int8_t* q2, const int8_t* q3,
-                        float x0, float x1, float x2, float x3, int64_t n) {
-  int64_t j = 0;
-#ifdef LINNET_AVX2
-  const __m256 v0 = _mm256_set1_ps(x0), v1 = _mm256_set1_ps(x1), v2 = _mm256_set1_ps(x2), v3 = _mm256_set1_ps(x3);
-  for (; j + 8 <= n; j += 8) {
-    __m256 sum = _mm256_fmadd_ps(Int8x8(q0 + j), v0, _mm256_loadu_ps(sums + j));
-    sum = _mm256_fmadd_ps(Int8x8(q1 + j), v1, sum);
-    sum = _mm256_fmadd_ps(Int8x8(q2 + j), v2, sum);
-    _mm256_storeu_ps(sums + j, _mm256_fmadd_ps(Int8x8(q3 + j), v3, sum));
-  }
-#endif
-  for (; j < n; ++j) sums[j] += x0 * q0[j] + x1 * q1[j] + x2 * q2[j] + x3 * q3[j];
-}
-
-// y[0:n] = x[r0:r1] · q[r0:r1, 0:n] scaled: the rows of each block of `block` summed, then scaled by the block's
-// row of s and added, four weight rows per pass.
-void AccumulateInt8Rows(const float* x, const int8_t* q, const float* s, float* y, int64_t n, int64_t block,
-                        int64_t r0, int64_t r1) {
-  thread_local std::vector<float> block_sums;
-  block_sums.resize(n);
-  float* sums = block_sums.data();
-  std::memset(y, 0, n * sizeof(float));
-  for (int64_t r = r0; r < r1;) {
-    const int64_t b = r / block, end = std::min(r1, (b + 1) * block);
-    std::memset(sums, 0, n * sizeof(float));
-    for (; r + 4 <= end; r += 4) {
-      const int8_t* q0 = q + r * n;
-      AddInt8Rows(sums, q0, q0 + n, q0 + 2 * n, q0 + 3 * n, x[r], x[r + 1], x[r + 2], x[r + 3], n);
-    }
-    for (; r < end; ++r) AddInt8Rows(sums, q + r * n, q, q, q, x[r], 0, 0, 0, n);
-    const float* scale = s + b * n;
-    for (int64_t j = 0; j < n; ++j) y[j] += scale[j] * sums[j];
-  }
-}
-
-// q[0:k] · x[0:k], q's blocks of `block` values each scaled by its entry of s.
-inline float DotInt8Row(const int8_t* q, const float* s, const float* x, int64_t k, int64_t block) {
-#ifdef LINNET_AVX2
-  if (block % 32 == 0) {  // four independent chains of eight lanes through each block
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t start = 0; start < k; start += block) {
-      __m256 p0 = _mm256_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
-      for (int64_t j = start; j < start + block; j += 32) {
-        p0 = _mm256_fmadd_ps(Int8x8(q + j), _mm256_loadu_ps(x + j), p0);
-        p1 = _mm256_fmadd_ps(Int8x8(q + j + 8), _mm256_loadu_ps(x + j + 8), p1);
-        p2 = _mm256_fmadd_ps(Int8x8(q + j + 16), _mm256_loadu_ps(x + j + 16), p2);
-        p3 = _mm256_fmadd_ps(Int8x8(q + j + 24), _mm256_loadu_ps(x + j + 24), p3);
-      }
-      const __m256 part = _mm256_add_ps(_mm256_add_ps(p0, p1), _mm256_add_ps(p2, p3));
-      total = _mm256_fmadd_ps(part, _mm256_set1_ps(s[start / block]), total);
-    }
-    return HorizontalSum(total);
-  }
-#endif
-  float total = 0;
-  for (int64_t start = 0; start < k; start += block) {
-    float part = 0;
-    for (int64_t j = start; j < start + block; ++j) part += q[j] * x[j];
-    total += s[start / block] * part;
-  }
-  return total;
-}
-
-// y[r] = (q[r, 0:k] scaled by s[r, :]) · x for r in r0..r1.
-void DotInt8Rows(const float* x, const int8_t* q, const float* s, float* y, int64_t k, int64_t block, int64_t r0,
-                 int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) y[r] = DotInt8Row(q + r * k, s + r * (k / block), x, k, block);
-}
-
-// w[0:n] = q[0:n] · s[0:n], elementwise (one weight row dequantized; s holds each value's scale).
-inline void Dequantize(const int8_t* q, const float* s, float* w, int64_t n) {
-  int64_t j = 0;
-#ifdef LINNET_AVX2
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(w + j, _mm256_mul_ps(Int8x8(q + j), _mm256_loadu_ps(s + j)));
-#endif
-  for (; j < n; ++j) w[j] = q[j] * s[j];
-}
-
-// y[t, 0:n] = x[t, r0:r1] · (q[r0:r1, 0:n] dequantized) for t < rows (x [rows, k]), a tile of kBatchColumns
-// columns at a time (the rows' outputs for a tile stay in L1): each group of four weight rows of the tile
-// dequantized once into a buffer, then added into every row's output.
-constexpr int64_t kBatchColumns = 256;
-
-void AccumulateInt8Batch(const float* x, int64_t k, int64_t rows, const int8_t* q, const float* s, float* y, int64_t n,
-                         int64_t block, int64_t r0, int64_t r1) {
-  thread_local std::vector<float> buffer;
-  buffer.resize(4 * kBatchColumns);
-  float* w = buffer.data();
-  std::memset(y, 0, rows * n * sizeof(float));
-  for (int64_t j0 = 0; j0 < n; j0 += kBatchColumns) {
-    const int64_t width = std::min(kBatchColumns, n - j0);
-    const float *w0 = w, *w1 = w + kBatchColumns, *w2 = w1 + kBatchColumns, *w3 = w2 + kBatchColumns;
-    for (int64_t r = r0; r < r1; r += 4) {
-      const int64_t group = std::min<int64_t>(4, r1 - r);
-      for (int64_t i = 0; i < group; ++i)
-        Dequantize(q + (r + i) * n + j0, s + ((r + i) / block) * n + j0, w + i * kBatchColumns, width);
-      for (int64_t t = 0; t < rows; ++t) {
-        const float* xt = x + t * k + r;
-        float* yt = y + t * n + j0;
-        if (group == 4) {
-          for (int64_t j = 0; j < width; ++j) yt[j] += xt[0] * w0[j] + xt[1] * w1[j] + xt[2] * w2[j] + xt[3] * w3[j];
-        } else {
-          for (int64_t i = 0; i < group; ++i)
-            for (int64_t j = 0; j < width; ++j) yt[j] += xt[i] * w[i * kBatchColumns + j];
-        }
-      }
-    }
-  }
-}
-
-// y[t, r] = (q[r, 0:k] dequantized) · x[t, 0:k] for r in r0..r1 and t < rows (y [rows, n]): each weight row
-// dequantized once into a buffer, then dotted with every row of x.
-void DotInt8Batch(const float* x, int64_t rows, const int8_t* q, const float* s, float* y, int64_t n, int64_t k,
-                  int64_t block, int64_t r0, int64_t r1) {
-  thread_local std::vector<float> buffer, scales;
-  buffer.resize(k);
-  scales.resize(k);
-  const int64_t blocks = k / block;
-  for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) std::fill_n(scales.data() + b * block, block, s[r * blocks + b]);
-    Dequantize(q + r * k, scales.data(), buffer.data(), k);
-    for (int64_t t = 0; t < rows; ++t) y[t * n + r] = Dot(buffer.data(), x + t * k, k);
-  }
-}
 
 // Eight (V8, AVX2's registers) or sixteen (V16, AVX-512's) float lanes as GCC's vector extensions, loaded and stored
 // at any alignment.
 #pragma GCC diagnostic ignored "-Wpsabi"  // V16 passed between always-inlined helpers only: no call ever uses the ABI
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's avx512fintrin.h (_mm512_undefined: its bug 105593)
 typedef float V8 __attribute__((vector_size(32)));
 typedef float V16 __attribute__((vector_size(64)));
 
@@ -397,6 +261,197 @@ void AccumulateBatch(const float* x, int64_t k, int64_t rows, const float* w, fl
       for (int64_t j = 0; j < n; ++j) y[t * n + j] += x[t * k + r] * w[r * n + j];
 }
 
+// L int8 values at q as floats, L the lanes of V (the tag's type). Not always_inline: inlined where the caller's
+// target has AVX-512 (the loops below, instantiated for V16 inside target("avx512f") functions).
+inline V8 Widen(const int8_t* q, V8) {
+#ifdef LINNET_AVX2
+  return (V8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+#else
+  V8 v;
+  for (int l = 0; l < 8; ++l) v[l] = q[l];
+  return v;
+#endif
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) inline V16 Widen(const int8_t* q, V16) {
+  return (V16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+}
+#endif
+
+// L weights at p as floats: int8 ones widened, or float ones already widened into a buffer (the int8 loops read a
+// weight from its int8 row for one row of x, and widen it once into a buffer for several: the same sums either way).
+template <typename V>
+__attribute__((always_inline)) inline V Fetch(const int8_t* p) {
+  return Widen(p, V());
+}
+
+template <typename V>
+__attribute__((always_inline)) inline V Fetch(const float* p) {
+  return Load<V>(p);
+}
+
+constexpr int64_t kInt8Panel = 4;  // vectors of columns per pass over a group of weight rows: four chains of sums
+
+// y[0:4L] += scale[0:4L] * Σ_i<m x[i] w[i, 0:4L] (w's rows `stride` apart, int8 or widened): the sums in registers.
+template <typename V, typename W>
+__attribute__((always_inline)) inline void AddScaledPanel(const float* x, const W* w, int64_t stride, int64_t m,
+                                                          const float* scale, float* y) {
+  constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+  V sums[kInt8Panel] = {};
+  for (int64_t i = 0; i < m; ++i)
+    for (int p = 0; p < kInt8Panel; ++p) sums[p] += Fetch<V>(w + i * stride + p * kLanes) * x[i];
+  for (int p = 0; p < kInt8Panel; ++p)
+    Store(y + p * kLanes, Load<V>(y + p * kLanes) + sums[p] * Load<V>(scale + p * kLanes));
+}
+
+// y[t, 0:n'] += scale[0:n'] * x[t, r:r+m] · q[r:r+m, 0:n'] for t < rows (x's rows k apart, q's and y's n apart; m ≤
+// kBatchWeightRows), n' = n - n % 4L, which it returns: one row straight from q, several from each panel widened once.
+// The `ahead` rows after the group are prefetched a panel at a time (a panel's rows are short streams, too short for
+// the hardware's prefetchers to learn).
+template <typename V>
+__attribute__((always_inline)) inline int64_t AddScaledPanels(const float* x, int64_t k, int64_t rows, const int8_t* q,
+                                                              const float* scale, float* y, int64_t n, int64_t r,
+                                                              int64_t m, int64_t ahead) {
+  constexpr int64_t kWidth = kInt8Panel * sizeof(V) / sizeof(float);
+  const int64_t vector_n = n - n % kWidth;
+  const int8_t* group = q + r * n;
+  for (int64_t j = 0; j < vector_n; j += kWidth) {
+    for (int64_t i = m; i < m + ahead; ++i)
+      for (int64_t p = 0; p < kWidth; p += 64) __builtin_prefetch(group + i * n + j + p);
+    if (rows == 1) {
+      AddScaledPanel<V>(x + r, group + j, n, m, scale + j, y + j);
+      continue;
+    }
+    float panel[kBatchWeightRows * kWidth];
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t p = 0; p < kWidth; p += kWidth / kInt8Panel) Store(panel + i * kWidth + p, Fetch<V>(group + i * n + j + p));
+    for (int64_t t = 0; t < rows; ++t) AddScaledPanel<V>(x + t * k + r, panel, kWidth, m, scale + j, y + t * n + j);
+  }
+  return vector_n;
+}
+
+int64_t AddScaledPanelsAvx2(const float* x, int64_t k, int64_t rows, const int8_t* q, const float* scale, float* y,
+                            int64_t n, int64_t r, int64_t m, int64_t ahead) {
+  return AddScaledPanels<V8>(x, k, rows, q, scale, y, n, r, m, ahead);
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) int64_t AddScaledPanelsAvx512(const float* x, int64_t k, int64_t rows,
+                                                                 const int8_t* q, const float* scale, float* y,
+                                                                 int64_t n, int64_t r, int64_t m, int64_t ahead) {
+  return AddScaledPanels<V16>(x, k, rows, q, scale, y, n, r, m, ahead);
+}
+#endif
+
+// y[t, 0:n] = x[t, r0:r1] · (q[r0:r1, 0:n] scaled by s, a row of scales per block of `block` input rows) for t <
+// rows (x [rows, k]): up to kBatchWeightRows weight rows of a block at a time, streamed side by side, summed a panel
+// of columns at a time in registers, then scaled and added into y. A row's sums do not depend on the other rows.
+void AccumulateInt8(const float* x, int64_t k, int64_t rows, const int8_t* q, const float* s, float* y, int64_t n,
+                    int64_t block, int64_t r0, int64_t r1) {
+#if defined(__x86_64__)
+  const auto add_panels = HasAvx512() ? AddScaledPanelsAvx512 : AddScaledPanelsAvx2;
+#else
+  const auto add_panels = AddScaledPanelsAvx2;
+#endif
+  std::memset(y, 0, rows * n * sizeof(float));
+  for (int64_t r = r0, m; r < r1; r += m) {
+    m = std::min({kBatchWeightRows, r1 - r, (r / block + 1) * block - r});
+    const float* scale = s + (r / block) * n;
+    const int64_t vector_n = add_panels(x, k, rows, q, scale, y, n, r, m, std::min(kBatchWeightRows, r1 - r - m));
+    for (int64_t t = 0; t < rows; ++t)
+      for (int64_t j = vector_n; j < n; ++j) {
+        float sum = 0;
+        for (int64_t i = r; i < r + m; ++i) sum += x[t * k + i] * q[i * n + j];
+        y[t * n + j] += sum * scale[j];
+      }
+  }
+}
+
+#ifdef LINNET_AVX2
+// y[0:4] = Σ over blocks b of s[i, b] * (w[i, block b] · x[block b]) for the four rows i of w (w_stride apart, int8 or
+// widened; s's rows `blocks` apart; block a multiple of L): a chain of sums per row, L lanes at a time.
+template <typename V, typename W>
+__attribute__((always_inline)) inline void DotScaledGroup(const W* w, int64_t w_stride, const float* s, int64_t blocks,
+                                                          const float* x, int64_t k, int64_t block, float* y) {
+  constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+  V total[4] = {};
+  for (int64_t start = 0, b = 0; start < k; start += block, ++b) {
+    V part[4] = {};
+    for (int64_t j = start; j < start + block; j += kLanes) {
+      const V xj = Load<V>(x + j);
+      for (int i = 0; i < 4; ++i) part[i] += Fetch<V>(w + i * w_stride + j) * xj;
+    }
+    for (int i = 0; i < 4; ++i) total[i] += part[i] * s[i * blocks + b];
+  }
+  _mm_storeu_ps(y, SumLanes(Fold(total[0]), Fold(total[1]), Fold(total[2]), Fold(total[3])));
+}
+
+constexpr int64_t kGroupsAhead = 4;  // how far ahead DotScaledRows prefetches: about as many bytes as DotGroups
+
+// y[t, r:r+4] = (q[r:r+4, 0:k] scaled, s [n, k / block]) · x[t, 0:k] for t < rows (y [rows, n]) and each group of four
+// rows r in r0..r1 - (r1 - r0) % 4, where it stops: one row of x straight from q, several from each group widened once
+// into a buffer; the next group's rows prefetched.
+template <typename V>
+__attribute__((always_inline)) inline int64_t DotScaledRows(const float* x, int64_t rows, const int8_t* q,
+                                                            const float* s, float* y, int64_t n, int64_t k,
+                                                            int64_t block, int64_t r0, int64_t r1) {
+  constexpr int64_t kLanes = sizeof(V) / sizeof(float);
+  const int64_t blocks = k / block;
+  thread_local std::vector<float> buffer;
+  buffer.resize(4 * k);
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) {
+    const int8_t* group = q + r * k;
+    if (r + 4 * (kGroupsAhead + 1) <= r1)
+      for (int64_t p = 0; p < 4 * k; p += 64) __builtin_prefetch(group + kGroupsAhead * 4 * k + p);
+    if (rows == 1) {
+      DotScaledGroup<V>(group, k, s + r * blocks, blocks, x, k, block, y + r);
+      continue;
+    }
+    for (int64_t j = 0; j < 4 * k; j += kLanes) Store(buffer.data() + j, Fetch<V>(group + j));
+    for (int64_t t = 0; t < rows; ++t)
+      DotScaledGroup<V>(buffer.data(), k, s + r * blocks, blocks, x + t * k, k, block, y + t * n + r);
+  }
+  return r;
+}
+
+int64_t DotScaledRowsAvx2(const float* x, int64_t rows, const int8_t* q, const float* s, float* y, int64_t n, int64_t k,
+                          int64_t block, int64_t r0, int64_t r1) {
+  return DotScaledRows<V8>(x, rows, q, s, y, n, k, block, r0, r1);
+}
+
+__attribute__((target("avx512f"))) int64_t DotScaledRowsAvx512(const float* x, int64_t rows, const int8_t* q,
+                                                               const float* s, float* y, int64_t n, int64_t k,
+                                                               int64_t block, int64_t r0, int64_t r1) {
+  return DotScaledRows<V16>(x, rows, q, s, y, n, k, block, r0, r1);
+}
+#endif
+
+// y[t, r] = (q[r, 0:k] scaled) · x[t, 0:k] for r in r0..r1 and t < rows, element by element where a block is not a
+// whole number of the vector loops' steps.
+void DotInt8Rows(const float* x, int64_t rows, const int8_t* q, const float* s, float* y, int64_t n, int64_t k,
+                 int64_t block, int64_t r0, int64_t r1) {
+  int64_t r = r0;
+#ifdef LINNET_AVX2
+  if (HasAvx512() && block % 16 == 0) {
+    r = DotScaledRowsAvx512(x, rows, q, s, y, n, k, block, r0, r1);
+  } else if (block % 8 == 0) {
+    r = DotScaledRowsAvx2(x, rows, q, s, y, n, k, block, r0, r1);
+  }
+#endif
+  for (; r < r1; ++r)
+    for (int64_t t = 0; t < rows; ++t) {
+      float total = 0;
+      for (int64_t start = 0; start < k; start += block) {
+        float part = 0;
+        for (int64_t j = start; j < start + block; ++j) part += q[r * k + j] * x[t * k + j];
+        total += s[r * (k / block) + start / block] * part;
+      }
+      y[t * n + r] = total;
+    }
+}
+
 // Runs part(i) for i in 0..parts-1 and returns when all are done. This thread and parts-1 pool tasks each
 // claim the next unclaimed part until none is left, so this thread only ever waits for parts that another
 // thread is running: when the pool is busy (or runs several products at once) it does them all itself.
@@ -479,16 +534,12 @@ ffi::Error Wx(ffi::ThreadPool pool, Matrix x, Matrix w, MatrixResult y) {
   return ffi::Error::Success();
 }
 
-// The int8 products take x [T, K] and give y [T, N]: one row through the one-row loops above, several through the
-// batch ones, which dequantize each weight once for all the rows.
+// The int8 products take x [T, K] and give y [T, N]: one row straight from the int8 weights, several from each
+// weight widened once for all the rows; a row's sums are the same either way.
 ffi::Error XwInt8(ffi::ThreadPool pool, Matrix x, Int8Matrix q, Matrix s, MatrixResult y) {
   const int64_t rows = x.dimensions()[0], k = q.dimensions()[0], n = q.dimensions()[1], block = k / s.dimensions()[0];
   SplitInputs(pool, k, rows * n, y->typed_data(), [&](float* out, int64_t r0, int64_t r1) {
-    if (rows == 1) {
-      AccumulateInt8Rows(x.typed_data(), q.typed_data(), s.typed_data(), out, n, block, r0, r1);
-    } else {
-      AccumulateInt8Batch(x.typed_data(), k, rows, q.typed_data(), s.typed_data(), out, n, block, r0, r1);
-    }
+    AccumulateInt8(x.typed_data(), k, rows, q.typed_data(), s.typed_data(), out, n, block, r0, r1);
   });
   return ffi::Error::Success();
 }
@@ -496,11 +547,7 @@ ffi::Error XwInt8(ffi::ThreadPool pool, Matrix x, Int8Matrix q, Matrix s, Matrix
 ffi::Error WxInt8(ffi::ThreadPool pool, Matrix x, Int8Matrix q, Matrix s, MatrixResult y) {
   const int64_t rows = x.dimensions()[0], n = q.dimensions()[0], k = q.dimensions()[1], block = k / s.dimensions()[1];
   SplitOutputs(pool, n, [&](int64_t r0, int64_t r1) {
-    if (rows == 1) {
-      DotInt8Rows(x.typed_data(), q.typed_data(), s.typed_data(), y->typed_data(), k, block, r0, r1);
-    } else {
-      DotInt8Batch(x.typed_data(), rows, q.typed_data(), s.typed_data(), y->typed_data(), n, k, block, r0, r1);
-    }
+    DotInt8Rows(x.typed_data(), rows, q.typed_data(), s.typed_data(), y->typed_data(), n, k, block, r0, r1);
   });
   return ffi::Error::Success();
 }

@@ -54,6 +54,19 @@ def test_every_int8_product_equals_dequantize_then_float(spec, shape, contracted
     assert kernel == (rows <= matvec.KERNEL_ROWS and matvec.available())
 
 
+@pytest.mark.parametrize("block", [None, 32])
+@pytest.mark.parametrize("spec, shape, contracted", PRODUCTS)
+def test_an_int8_products_row_is_the_same_alone_or_among_others(spec, shape, contracted, block):
+    """One row goes straight from the int8 weights, several through each weight widened once: a row's result is the
+    same bit for bit either way (a request's tokens do not depend on its batch)."""
+    q = quantize_weight(jax.random.normal(jax.random.key(0), shape), contracted, block)
+    x = jax.random.normal(jax.random.key(1), (5, 1, *(shape[axis] for axis in contracted)))
+    product = jax.jit(lambda x, w: matvec.einsum(spec, x, w))
+    together = np.asarray(product(x, q))
+    for row in (0, 4):
+        np.testing.assert_array_equal(np.asarray(product(x[row:row + 1], q))[0], together[row])
+
+
 @pytest.fixture(scope="module")
 def smollm2_int8(smollm2_gguf):
     return linnet_jax.load(smollm2_gguf, quantize="int8", progress=False)
