@@ -452,9 +452,9 @@ void DotInt8Rows(const float* x, int64_t rows, const int8_t* q, const float* s, 
     }
 }
 
-// Runs part(i) for i in 0..parts-1 and returns when all are done. This thread and parts-1 pool tasks each
-// claim the next unclaimed part until none is left, so this thread only ever waits for parts that another
-// thread is running: when the pool is busy (or runs several products at once) it does them all itself.
+// Runs part(i) for i in 0..parts-1 and returns when all are done. This thread and a pool task per pool thread (at
+// most parts-1) each claim the next unclaimed part until none is left, so this thread only ever waits for parts
+// that another thread is running: when the pool is busy (or runs several products at once) it does them all itself.
 struct Progress {
   std::atomic<int64_t> next{0}, done{0};
 };
@@ -468,7 +468,8 @@ void RunParts(ffi::ThreadPool& pool, int64_t parts, const Part& part) {
       progress->done.fetch_add(1, std::memory_order_release);
     }
   };
-  for (int64_t i = 1; i < parts; ++i) {
+  const int64_t helpers = std::min<int64_t>(parts - 1, pool.num_threads());
+  for (int64_t i = 0; i < helpers; ++i) {
     auto task = work;
     pool.Schedule(std::move(task));
   }
