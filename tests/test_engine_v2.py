@@ -139,6 +139,20 @@ def test_a_long_prompt_holds_the_decoding_slots_one_chunk_at_a_time(model):
         assert any(step.kind == "decode" and step.tokens == 4 * step.rows for step in engine.step_log)  # none waits
 
 
+def test_a_dispatch_of_slow_steps_is_one_step(model, monkeypatch):
+    """A decode dispatch runs as many steps as take DISPATCH_SECONDS (at least one), so a request arriving during
+    it waits little for its prefill: with 0 s, the first dispatch (no step timed yet) runs steps_per_dispatch and
+    every later one one step; the tokens are generate's."""
+    monkeypatch.setattr(importlib.import_module("linnet_jax.serve.engine"), "DISPATCH_SECONDS", 0.0)
+    with Engine(model, slots=2, max_len=64, steps_per_dispatch=4, prefix_cache=False) as engine:
+        engine.warmup()
+        handle = engine.submit(tokens=[5, 6, 7], max_tokens=12, ignore_eos=True)
+        assert handle.result(timeout=300).tokens == generate(model, tokens=[[5, 6, 7]], max_new_tokens=12,
+                                                             ignore_eos=True)[0]
+        decodes = [step.tokens for step in engine.step_log if step.kind == "decode"]
+    assert decodes == [4] + [1] * 7  # the prefill gave the first token, four then seven one at a time
+
+
 def test_generate_speculative_gives_the_same_tokens_in_fewer_steps(model, monkeypatch):
     prompts = [([9, 10, 11, 12] * 8)[:30], list(range(40, 70)) + list(range(40, 50))]
     module = importlib.import_module("linnet_jax.generate")  # the module (linnet_jax.generate is the function)

@@ -7,8 +7,9 @@ One scheduler thread owns the decode state. Each iteration it
   - prefills the next chunk of up to `prefill_batch` waiting prompts in one dispatch (`extend`: at most
     `prefill_chunk` tokens of each, `max_step_tokens` in all), so that a long prompt holds the requests
     decoding for one chunk at a time, never for its whole prefill,
-  - advances every decoding slot `steps_per_dispatch` decode steps in one device call, or one step
-    that verifies each slot's n-gram drafts (`linnet_jax.speculative`),
+  - advances every decoding slot `steps_per_dispatch` decode steps in one device call (fewer where steps are
+    slow: a dispatch lasts about DISPATCH_SECONDS, so a request arriving meanwhile waits little for its prefill),
+    or one step that verifies each slot's n-gram drafts (`linnet_jax.speculative`),
   - hands each request its new tokens.
 A request with a grammar (`structured`, `linnet_jax.structured`) has its slot's mask of allowed tokens computed
 on the host after each of its tokens, so a dispatch that carries one decodes one step, and its slot gets no
@@ -56,6 +57,10 @@ from linnet_jax.text import Cursor, Detokenizer, Generation, take
 
 DEFAULT_MAX_LEN = 640  # positions per slot, or the model's context when that is shorter
 CHOICES = 2**32  # the streams of one seed a request may draw (`choice`)
+# A decode dispatch runs steps_per_dispatch steps, or as many as take about this long when steps are slow (at least
+# one): a request arriving during a dispatch waits for its end before its prefill. SmolLM2's 16-row step on 2 CPU
+# cores takes 90 ms, so there a dispatch is one step; a GPU's few-ms steps keep steps_per_dispatch.
+DISPATCH_SECONDS = 0.1
 # The device programs `_run` runs (each the method `_<name>`): all a follower of a multi-process engine runs.
 PROGRAMS = frozenset({"agree", "compile_all", "extend", "decode", "verify", "free", "masks", "restore", "store"})
 
@@ -286,6 +291,7 @@ class Engine:
         self.on_failure: list[Callable[[Exception], None]] = []  # called on the scheduler thread when it fails
         self.failure: Exception | None = None
         self.warm_traces: int | None = None
+        self._step_seconds = 0.0  # the last decode dispatch's time per step (0: none yet)
         self._tasks: deque[Callable[[], None]] = deque()  # work run on the scheduler thread (warmup)
         self._wake = threading.Condition()
         self._closing = self._stopped = self._hurried = False
@@ -727,9 +733,9 @@ class Engine:
         return drafts
 
     def _dispatch(self) -> None:
-        """steps_per_dispatch decode steps over every decoding slot (one while a prompt waits for the next prefill
-        dispatch: it joins the decoding rows sooner; one while a slot's grammar needs its next mask), or one step
-        verifying their drafts; hand out the tokens."""
+        """steps_per_dispatch decode steps over every decoding slot (fewer where that would take over
+        DISPATCH_SECONDS; one while a prompt waits for the next prefill dispatch: it joins the decoding rows sooner;
+        one while a slot's grammar needs its next mask), or one step verifying their drafts; hand out the tokens."""
         top = any(work is not None and work.top_logprobs for work in self.owners)
         drafts = self._drafts() if self.speculative else []
         rows = sum(work is not None and work.decoding for work in self.owners)
@@ -739,8 +745,10 @@ class Engine:
             kind, fed = "verify", rows + sum(map(len, drafts))
         else:
             single = any(work is not None and (not work.decoding or work.rule is not None) for work in self.owners)
-            steps = 1 if single else self.steps
+            steps = 1 if single else self._decode_steps()
+            start = time.perf_counter()
             tokens, logprobs, counts, finish, top_ids, top_logprobs = self._run("decode", top, steps)
+            self._step_seconds = (time.perf_counter() - start) / steps
             kind, fed = "decode", rows * steps
         self.step_log.append(Step(kind, rows, fed, int(counts.sum())))
         for slot, work in enumerate(self.owners):
@@ -749,6 +757,12 @@ class Engine:
                 alternatives = self._top(work, top_ids[slot, :n], top_logprobs[slot, :n]) if top else []
                 self._deliver(slot, tokens[slot, :n].tolist(), logprobs[slot, :n].tolist(), alternatives,
                               int(finish[slot]))
+
+    def _decode_steps(self) -> int:
+        """steps_per_dispatch, or as many steps as the last decode dispatch's took DISPATCH_SECONDS for (≥ 1)."""
+        if not self._step_seconds:
+            return self.steps
+        return max(1, min(self.steps, int(DISPATCH_SECONDS / self._step_seconds)))
 
     @staticmethod
     def _top(work: Work, ids: np.ndarray, logprobs: np.ndarray) -> list[list[tuple[int, float]]]:
