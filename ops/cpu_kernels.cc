@@ -486,10 +486,18 @@ int64_t Parts(ffi::ThreadPool& pool, int64_t rows) {
   return std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), rows / kMinRowsPerPart));
 }
 
+// dot(r0, r1) for the n output rows, split across the threads.
+template <typename RowsPart>
+void SplitOutputs(ffi::ThreadPool& pool, int64_t n, const RowsPart& dot) {
+  const int64_t parts = Parts(pool, n);
+  const int64_t step = ((n + parts - 1) / parts + 3) / 4 * 4;  // whole groups of four: a row's sums never depend on n
+  RunParts(pool, parts, [&](int64_t i) { dot(i * step, std::min(n, (i + 1) * step)); });
+}
+
 // out[0:n] = the sum over the k input rows of accumulate(partial, r0, r1): the rows cut into up to kInputParts parts
 // (whole groups of kBatchWeightRows) by k alone, each accumulated into its own partial by whichever thread claims it
-// (part 0 into out), the partials then added in order. So a product's sums do not depend on how many threads the
-// pool has (a one-core Ray replica gives what a two-core process gives).
+// (part 0 into out), the partials then added in order (each thread a range of the outputs). So a product's sums do
+// not depend on how many threads the pool has (a one-core Ray replica gives what a two-core process gives).
 constexpr int64_t kInputParts = 8;
 
 template <typename Accumulate>
@@ -503,18 +511,13 @@ void SplitInputs(ffi::ThreadPool& pool, int64_t k, int64_t n, float* out, const 
   RunParts(pool, parts, [&](int64_t i) {
     accumulate(i == 0 ? out : partials + (i - 1) * n, i * step, std::min(k, (i + 1) * step));
   });
-  for (int64_t i = 1; i < parts; ++i) {
-    const float* partial = partials + (i - 1) * n;
-    for (int64_t j = 0; j < n; ++j) out[j] += partial[j];
-  }
-}
-
-// dot(r0, r1) for the n output rows, split across the threads.
-template <typename RowsPart>
-void SplitOutputs(ffi::ThreadPool& pool, int64_t n, const RowsPart& dot) {
-  const int64_t parts = Parts(pool, n);
-  const int64_t step = ((n + parts - 1) / parts + 3) / 4 * 4;  // whole groups of four: a row's sums never depend on n
-  RunParts(pool, parts, [&](int64_t i) { dot(i * step, std::min(n, (i + 1) * step)); });
+  if (parts == 1) return;
+  SplitOutputs(pool, n, [&](int64_t j0, int64_t j1) {  // each thread adds the partials into its columns, in order
+    for (int64_t i = 1; i < parts; ++i) {
+      const float* partial = partials + (i - 1) * n;
+      for (int64_t j = j0; j < j1; ++j) out[j] += partial[j];
+    }
+  });
 }
 
 // The float32 products take x [T, K] and give y [T, N] through the batch loops, which read each weight once for all
