@@ -87,6 +87,13 @@ bool HasAvx512() {
 #endif
 }
 
+// A loop's clone for this CPU: name##Avx512 where it has AVX-512, else name##Avx2 (V8's lanes, any CPU).
+#if defined(__x86_64__)
+#define FOR_THIS_CPU(name) (HasAvx512() ? name##Avx512 : name##Avx2)
+#else
+#define FOR_THIS_CPU(name) name##Avx2
+#endif
+
 #ifdef LINNET_AVX2
 // Four vectors' sums: [Σ s0, Σ s1, Σ s2, Σ s3].
 inline __m128 SumLanes(V8 s0, V8 s1, V8 s2, V8 s3) {
@@ -174,7 +181,7 @@ void DotRowGroups(const float* a, int64_t rows, const float* b, int64_t c, int64
                   int64_t j0, int64_t j1) {
   int64_t j = j0;
 #ifdef LINNET_AVX2
-  j = (HasAvx512() ? DotGroupsAvx512 : DotGroupsAvx2)(a, rows, b, c, depth, y, stride, j0, j1);
+  j = FOR_THIS_CPU(DotGroups)(a, rows, b, c, depth, y, stride, j0, j1);
 #endif
   for (; j < j1; ++j)
     for (int64_t i = 0; i < rows; ++i) y[i * stride + j] = Dot(b + j * c, a + i * c, depth);
@@ -243,11 +250,7 @@ __attribute__((target("avx512f"))) int64_t AddPanelsAvx512(const float* x, int64
 // AVX-512's registers where the CPU has them).
 void AccumulateBatch(const float* x, int64_t k, int64_t rows, const float* w, float* y, int64_t n, int64_t r0,
                      int64_t r1) {
-#if defined(__x86_64__)
-  const auto add_panels = HasAvx512() ? AddPanelsAvx512 : AddPanelsAvx2;
-#else
-  const auto add_panels = AddPanelsAvx2;
-#endif
+  const auto add_panels = FOR_THIS_CPU(AddPanels);
   std::memset(y, 0, rows * n * sizeof(float));
   int64_t r = r0;
   for (; r + kBatchWeightRows <= r1; r += kBatchWeightRows) {
@@ -349,11 +352,7 @@ __attribute__((target("avx512f"))) int64_t AddScaledPanelsAvx512(const float* x,
 // of columns at a time in registers, then scaled and added into y. A row's sums do not depend on the other rows.
 void AccumulateInt8(const float* x, int64_t k, int64_t rows, const int8_t* q, const float* s, float* y, int64_t n,
                     int64_t block, int64_t r0, int64_t r1) {
-#if defined(__x86_64__)
-  const auto add_panels = HasAvx512() ? AddScaledPanelsAvx512 : AddScaledPanelsAvx2;
-#else
-  const auto add_panels = AddScaledPanelsAvx2;
-#endif
+  const auto add_panels = FOR_THIS_CPU(AddScaledPanels);
   std::memset(y, 0, rows * n * sizeof(float));
   for (int64_t r = r0, m; r < r1; r += m) {
     m = std::min({kBatchWeightRows, r1 - r, (r / block + 1) * block - r});
