@@ -116,10 +116,12 @@ def test_prefix_cache_hostile_cases(model):
     assert_same(results, [alone(model, r) for r in many])
 
 
-def test_a_long_prompt_holds_the_decoding_slots_one_chunk_at_a_time(model):
+def test_a_long_prompt_holds_the_decoding_slots_one_chunk_at_a_time(model, monkeypatch):
     """7 slots decode while a prompt of 120 ids arrives: it is prefilled in chunks of 16, and between two of its
     chunks every decoding slot gets its next token (one decode dispatch of one step, not steps_per_dispatch: the
-    prompt joins the decoding rows sooner), as the engine's step log shows."""
+    prompt joins the decoding rows sooner), as the engine's step log shows. (No dispatch is cut short for its
+    steps' time, however loaded the machine: DISPATCH_SECONDS is raised.)"""
+    monkeypatch.setattr(importlib.import_module("linnet_jax.serve.engine"), "DISPATCH_SECONDS", 1e9)
     with Engine(model, slots=8, max_len=160, steps_per_dispatch=4, prefill_chunk=16, prefix_cache=False) as engine:
         engine.warmup()
         running = [engine.submit(tokens=[5 + i, 6, 7], max_tokens=150, ignore_eos=True) for i in range(7)]
