@@ -212,28 +212,47 @@ def with_rows(slots: Slots, rows: jax.Array, part: Slots) -> Slots:
 
 
 def decode(params: Params, config: Config, slots: Slots, steps: jax.Array, out_len: int,
-           constrain=None, top: bool = False, plan=None, lora: LoraTable | None = None) -> tuple[Slots, Emitted]:
+           constrain=None, top: bool = False, plan=None, lora: LoraTable | None = None,
+           rows: int | None = None) -> tuple[Slots, Emitted]:
     """Up to `steps` (≤ out_len) single-token steps over every running row, until none is running.
 
     Each step feeds every running row its last token at position length - 1; other rows feed position
     -1, which writes nothing and is masked. Returns the state and what each row emitted (with each
-    token's TOP_LOGPROBS most likely alternatives when `top`). plan, lora: as `extend`'s. Runs the program
-    compiled with the plan's compiler options for B rows (`decode_program`)."""
-    options = plan.decode_options(slots.token.shape[0]) if plan else ()
-    return decode_program(options)(params, config, slots, steps, out_len, constrain, top, plan, lora)
+    token's TOP_LOGPROBS most likely alternatives when `top`). plan, lora: as `extend`'s. rows: the steps run over
+    the state's first `rows` rows only, at the cost of a step of that many rows (every running row must be among
+    them: the others emit nothing); None: every row. Runs the program compiled with the plan's compiler options
+    for that many rows (`decode_program`)."""
+    rows = slots.token.shape[0] if rows is None else rows
+    options = plan.decode_options(rows) if plan else ()
+    return decode_program(options)(params, config, slots, steps, out_len, constrain, top, plan, lora, rows)
 
 
 @functools.cache
 def decode_program(options: tuple[tuple[str, str], ...] = ()) -> Callable:
     """`decode`'s program, jitted with these XLA compiler options (`Plan.decode_options`)."""
-    return jax.jit(decode_steps, static_argnums=(1, 4, 5, 6, 7), donate_argnums=(2,),
+    return jax.jit(decode_rows, static_argnums=(1, 4, 5, 6, 7, 9), donate_argnums=(2,),
                    compiler_options=dict(options) or None)
+
+
+def decode_rows(params: Params, config: Config, slots: Slots, steps: jax.Array, out_len: int, constrain=None,
+                top: bool = False, plan=None, lora: LoraTable | None = None,
+                rows: int | None = None) -> tuple[Slots, Emitted]:
+    """`decode`'s steps over the state's first `rows` rows (traced once per program and shape): those rows are copied
+    out of the state before the steps and back after them, the other rows emit nothing."""
+    TRACES["decode"] += 1
+    batch = slots.token.shape[0]
+    if rows is None or rows == batch:
+        return decode_steps(params, config, slots, steps, out_len, constrain, top, plan, lora)
+    leading = jax.tree.map(lambda column: column[:column.shape[0] // batch * rows], slots)  # the cache's N = B * G
+    leading, emitted = decode_steps(params, config, leading, steps, out_len, constrain, top, plan, lora)
+    slots = jax.tree.map(lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, 0, 0), slots, leading)
+    return slots, jax.tree.map(lambda column: jnp.pad(column, [(0, batch - rows)] + [(0, 0)] * (column.ndim - 1)),
+                               emitted)
 
 
 def decode_steps(params: Params, config: Config, slots: Slots, steps: jax.Array, out_len: int,
                  constrain=None, top: bool = False, plan=None, lora: LoraTable | None = None) -> tuple[Slots, Emitted]:
-    """`decode`'s steps (traced once per program and shape)."""
-    TRACES["decode"] += 1
+    """`decode`'s steps over every row of `slots`."""
     batch = slots.token.shape[0]
     start = slots.count
 

@@ -499,7 +499,7 @@ def test_max_request_bytes_is_the_body_limit(tiny_engine):
 
 def failing_decode(gate: threading.Event):
     """A stand-in for Engine._decode that runs out of memory once `gate` is set."""
-    def decode(top: bool, steps: int):
+    def decode(top: bool, steps: int, rows: int):
         gate.wait(60)
         raise MemoryError("RESOURCE_EXHAUSTED: out of memory (simulated)")
     return decode

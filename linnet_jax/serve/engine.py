@@ -65,6 +65,14 @@ DISPATCH_SECONDS = 0.1
 PROGRAMS = frozenset({"agree", "compile_all", "extend", "decode", "verify", "free", "masks", "restore", "store"})
 
 
+def powers_up_to(most: int) -> list[int]:
+    """Powers of two below `most`, and `most`: the row counts a program is compiled for."""
+    sizes = [1]
+    while sizes[-1] * 2 < most:
+        sizes.append(sizes[-1] * 2)
+    return sizes + [most] * (sizes[-1] < most)
+
+
 class QueueFull(RuntimeError):
     """The engine's queue holds max_queue requests already: try again later."""
 
@@ -87,13 +95,15 @@ class Piece:
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One dispatch, as `Engine.step_log` records it: its kind ("prefill", "decode" or "verify"), the requests it
-    carried, the tokens it fed (prompt tokens; decoding rows × steps; decoding rows + drafts) and the tokens
-    it produced."""
+    carried, the tokens it fed (prompt tokens; decoding rows × steps; decoding rows + drafts), the tokens
+    it produced, and the rows its program ran over (a bucket: padding rows and the slots past a decode's last
+    running one included)."""
 
     kind: str
     rows: int
     tokens: int
     emitted: int
+    program_rows: int
 
 
 @dataclasses.dataclass
@@ -449,7 +459,8 @@ class Engine:
                 for start in (0, 1):  # a prompt's first chunk (its own slots only), and a later one
                     self._extend([nothing], [[0]], [start], [request], [False], rows, width)
         for top in (False, True):
-            self._decode(top, self.steps)
+            for rows in self.decode_row_buckets():
+                self._decode(top, self.steps, rows)
             if self.speculative:
                 self._verify([[]] * self.slots, top)
         self._free(0)
@@ -460,10 +471,12 @@ class Engine:
 
     def row_buckets(self) -> list[int]:
         """The rows of a prefill dispatch: powers of two up to prefill_batch, and prefill_batch."""
-        sizes = [1]
-        while sizes[-1] * 2 < self.prefill_batch:
-            sizes.append(sizes[-1] * 2)
-        return sizes + [self.prefill_batch] * (sizes[-1] < self.prefill_batch)
+        return powers_up_to(self.prefill_batch)
+
+    def decode_row_buckets(self) -> list[int]:
+        """The leading rows a decode dispatch runs over: powers of two up to the slots, and the slots (all of them
+        on a mesh, whose devices each hold a share of the rows)."""
+        return powers_up_to(self.slots) if self.model.layout is None else [self.slots]
 
     @property
     def compiles_after_warmup(self) -> int | None:
@@ -609,7 +622,7 @@ class Engine:
             work.prefilled += n
             if work.decoding:
                 done.append((slot, work))
-        self.step_log.append(Step("prefill", len(chosen), sum(n for _, _, n in chosen), len(done)))
+        self.step_log.append(Step("prefill", len(chosen), sum(n for _, _, n in chosen), len(done), rows))
         if not done:
             return
         token, logprob, top_ids, top_logprobs, finish = columns
@@ -673,11 +686,13 @@ class Engine:
             return hosts(state.token, state.logprob, state.top_ids, state.top_logprobs, state.finish)
         return None
 
-    def _decode(self, top: bool, steps: int) -> tuple[np.ndarray | None, ...]:
-        """Up to `steps` decode steps of every running slot; what they emitted (`_emitted`)."""
+    def _decode(self, top: bool, steps: int, rows: int) -> tuple[np.ndarray | None, ...]:
+        """Up to `steps` decode steps of every running slot, all among the first `rows`; what they emitted
+        (`_emitted`)."""
         model = self.model
         self.state, emitted = decode(model.decode_params, model.config, self.state, np.int32(steps), self.steps,
-                                     model.layout and model.layout.constrain, top, model.plan, lora=self._table)
+                                     model.layout and model.layout.constrain, top, model.plan, lora=self._table,
+                                     rows=rows)
         return self._emitted(emitted, top)
 
     def _verify(self, drafts: list[list[int]], top: bool) -> tuple[np.ndarray | None, ...]:
@@ -742,21 +757,27 @@ class Engine:
         self._allow()
         if any(drafts):
             tokens, logprobs, counts, finish, top_ids, top_logprobs = self._run("verify", drafts, top)
-            kind, fed = "verify", rows + sum(map(len, drafts))
+            kind, fed, program_rows = "verify", rows + sum(map(len, drafts)), self.slots
         else:
             single = any(work is not None and (not work.decoding or work.rule is not None) for work in self.owners)
-            steps = 1 if single else self._decode_steps()
+            steps, program_rows = 1 if single else self._decode_steps(), self._decode_rows()
             start = time.perf_counter()
-            tokens, logprobs, counts, finish, top_ids, top_logprobs = self._run("decode", top, steps)
+            tokens, logprobs, counts, finish, top_ids, top_logprobs = self._run("decode", top, steps, program_rows)
             self._step_seconds = (time.perf_counter() - start) / steps
             kind, fed = "decode", rows * steps
-        self.step_log.append(Step(kind, rows, fed, int(counts.sum())))
+        self.step_log.append(Step(kind, rows, fed, int(counts.sum()), program_rows))
         for slot, work in enumerate(self.owners):
             if work is not None and counts[slot]:
                 n = counts[slot]
                 alternatives = self._top(work, top_ids[slot, :n], top_logprobs[slot, :n]) if top else []
                 self._deliver(slot, tokens[slot, :n].tolist(), logprobs[slot, :n].tolist(), alternatives,
                               int(finish[slot]))
+
+    def _decode_rows(self) -> int:
+        """The fewest leading rows (`decode_row_buckets`) that hold every decoding slot: slots are given lowest
+        first, so a lone request decodes at the cost of one row, not of every slot."""
+        last = max(slot for slot, work in enumerate(self.owners) if work is not None and work.decoding)
+        return next(rows for rows in self.decode_row_buckets() if rows > last)
 
     def _decode_steps(self) -> int:
         """steps_per_dispatch, or as many steps as the last decode dispatch's took DISPATCH_SECONDS for (≥ 1)."""
