@@ -237,15 +237,22 @@ def decode_program(options: tuple[tuple[str, str], ...] = ()) -> Callable:
 def decode_rows(params: Params, config: Config, slots: Slots, steps: jax.Array, out_len: int, constrain=None,
                 top: bool = False, plan=None, lora: LoraTable | None = None,
                 rows: int | None = None) -> tuple[Slots, Emitted]:
-    """`decode`'s steps over the state's first `rows` rows (traced once per program and shape): those rows are copied
-    out of the state before the steps and back after them, the other rows emit nothing."""
+    """`decode`'s steps over the state's first `rows` rows (`on_leading_rows`; traced once per program and shape)."""
     TRACES["decode"] += 1
+    return on_leading_rows(lambda part: decode_steps(params, config, part, steps, out_len, constrain, top, plan, lora),
+                           slots, rows)
+
+
+def on_leading_rows(steps: Callable, slots: Slots, rows: int | None, *row_inputs) -> tuple[Slots, Emitted]:
+    """steps(slots, *row_inputs) -> (Slots, Emitted) over the state's first `rows` rows only (None: every row): those
+    rows (and row_inputs', [B, ...] each) are copied out before the steps and back after them, at the cost of a
+    step of `rows` rows; the other rows emit nothing."""
     batch = slots.token.shape[0]
     if rows is None or rows == batch:
-        return decode_steps(params, config, slots, steps, out_len, constrain, top, plan, lora)
-    leading = jax.tree.map(lambda column: column[:column.shape[0] // batch * rows], slots)  # the cache's N = B * G
-    leading, emitted = decode_steps(params, config, leading, steps, out_len, constrain, top, plan, lora)
-    slots = jax.tree.map(lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, 0, 0), slots, leading)
+        return steps(slots, *row_inputs)
+    leading = lambda column: column[:column.shape[0] // batch * rows]  # noqa: E731  (the cache's N = B * G rows)
+    part, emitted = steps(*jax.tree.map(leading, (slots, *row_inputs)))
+    slots = jax.tree.map(lambda whole, new: jax.lax.dynamic_update_slice_in_dim(whole, new, 0, 0), slots, part)
     return slots, jax.tree.map(lambda column: jnp.pad(column, [(0, batch - rows)] + [(0, 0)] * (column.ndim - 1)),
                                emitted)
 
@@ -280,16 +287,25 @@ def decode_steps(params: Params, config: Config, slots: Slots, steps: jax.Array,
                           top_logprobs=top_logprobs)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 5, 6, 7), donate_argnums=(2,))
+@functools.partial(jax.jit, static_argnums=(1, 5, 6, 7, 9), donate_argnums=(2,))
 def verify(params: Params, config: Config, slots: Slots, drafts: jax.Array, n_drafts: jax.Array,
-           constrain=None, top: bool = False, plan=None, lora: LoraTable | None = None) -> tuple[Slots, Emitted]:
+           constrain=None, top: bool = False, plan=None, lora: LoraTable | None = None,
+           rows: int | None = None) -> tuple[Slots, Emitted]:
     """One forward over every running row's last token and its first n_drafts[b] drafts (drafts [B, K]), then
     each row's tokens chosen one by one, as `decode` would choose them, for as long as each equals the draft
     fed after it: the row emits its accepted drafts and one token more (up to K + 1 tokens, fewer where it
     stops). Greedy and seeded rows give exactly decode's tokens (token n is drawn with the row's key folded
-    with n, from logits conditioned on the tokens it chose). plan, lora: as `extend`'s. Returns the state and what
-    each row emitted."""
+    with n, from logits conditioned on the tokens it chose). plan, lora: as `extend`'s; rows: as `decode`'s.
+    Returns the state and what each row emitted."""
     TRACES["verify"] += 1
+    return on_leading_rows(lambda part, part_drafts, part_n: verify_rows(params, config, part, part_drafts, part_n,
+                                                                         constrain, top, plan, lora),
+                           slots, rows, drafts, n_drafts)
+
+
+def verify_rows(params: Params, config: Config, slots: Slots, drafts: jax.Array, n_drafts: jax.Array,
+                constrain=None, top: bool = False, plan=None, lora: LoraTable | None = None) -> tuple[Slots, Emitted]:
+    """`verify` over every row of `slots`."""
     width = drafts.shape[1] + 1
     running = slots.finish == RUNNING
     columns = jnp.arange(width)

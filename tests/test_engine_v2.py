@@ -141,20 +141,23 @@ def test_a_long_prompt_holds_the_decoding_slots_one_chunk_at_a_time(model, monke
         assert any(step.kind == "decode" and step.tokens == 4 * step.rows for step in engine.step_log)  # none waits
 
 
-def test_decode_runs_over_the_leading_rows_that_hold_requests(model):
-    """Slots are given lowest first and a decode dispatch runs the program of the fewest leading rows that hold
-    every decoding request: a lone request on 8 slots costs a one-row step, three at once a four-row one."""
-    requests = [dict(tokens=[5 + i, 9, 13, 2 * i + 3], max_tokens=12, seed=i, temperature=0.8 * (i % 2),
+@pytest.mark.parametrize("speculative", [None, NGRAM])
+def test_decode_runs_over_the_leading_rows_that_hold_requests(model, speculative):
+    """Slots are given lowest first and a decode (or verify) dispatch runs the program of the fewest leading rows
+    that hold every decoding request: a lone request on 8 slots costs a one-row step, three at once a four-row one."""
+    requests = [dict(tokens=[5 + i, 9, 13, 2 * i + 3] * 2, max_tokens=12, seed=i, temperature=0.8 * (i % 2),
                      ignore_eos=True) for i in range(3)]
-    with Engine(model, slots=8, max_len=128, prefix_cache=False) as engine:
+    with Engine(model, slots=8, max_len=128, prefix_cache=False, speculative=speculative) as engine:
         engine.warmup()
         lone = engine.submit(**requests[0]).result(timeout=120)
-        alone_rows = {step.program_rows for step in engine.step_log if step.kind == "decode"}
+        alone_rows = {(step.kind, step.program_rows) for step in engine.step_log if step.kind != "prefill"}
         engine.step_log.clear()
         together = [handle.result(timeout=120) for handle in [engine.submit(**request) for request in requests]]
-        together_rows = {(step.rows, step.program_rows) for step in engine.step_log if step.kind == "decode"}
+        together_rows = {(step.rows, step.program_rows) for step in engine.step_log if step.kind != "prefill"}
         assert engine.compiles_after_warmup == 0
-    assert alone_rows == {1} and (3, 4) in together_rows and max(rows for _, rows in together_rows) == 4
+    assert {rows for _, rows in alone_rows} == {1}
+    assert ("verify", 1) in alone_rows or not speculative  # its drafts were verified on the one-row program too
+    assert (3, 4) in together_rows and max(rows for _, rows in together_rows) == 4
     assert_same([lone, *together], [alone(model, request) for request in [requests[0], *requests]])
 
 

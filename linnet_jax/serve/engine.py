@@ -461,8 +461,8 @@ class Engine:
         for top in (False, True):
             for rows in self.decode_row_buckets():
                 self._decode(top, self.steps, rows)
-            if self.speculative:
-                self._verify([[]] * self.slots, top)
+                if self.speculative:
+                    self._verify([[]] * self.slots, top, rows)
         self._free(0)
         if self.prefixes:
             self.state = self.prefixes.compile(self.state)
@@ -695,12 +695,14 @@ class Engine:
                                      rows=rows)
         return self._emitted(emitted, top)
 
-    def _verify(self, drafts: list[list[int]], top: bool) -> tuple[np.ndarray | None, ...]:
-        """One step verifying each slot's drafts; what it emitted (`_emitted`)."""
+    def _verify(self, drafts: list[list[int]], top: bool, rows: int) -> tuple[np.ndarray | None, ...]:
+        """One step verifying each slot's drafts, every running slot among the first `rows`; what it emitted
+        (`_emitted`)."""
         model = self.model
         tokens, counts = draft_arrays(drafts, self.speculative.num_speculative_tokens)
         self.state, emitted = verify(model.decode_params, model.config, self.state, tokens, counts,
-                                     model.layout and model.layout.constrain, top, model.plan, lora=self._table)
+                                     model.layout and model.layout.constrain, top, model.plan, lora=self._table,
+                                     rows=rows)
         return self._emitted(emitted, top)
 
     def _emitted(self, emitted, top: bool) -> tuple[np.ndarray | None, ...]:
@@ -753,14 +755,14 @@ class Engine:
         one while a slot's grammar needs its next mask), or one step verifying their drafts; hand out the tokens."""
         top = any(work is not None and work.top_logprobs for work in self.owners)
         drafts = self._drafts() if self.speculative else []
-        rows = sum(work is not None and work.decoding for work in self.owners)
+        rows, program_rows = sum(work is not None and work.decoding for work in self.owners), self._decode_rows()
         self._allow()
         if any(drafts):
-            tokens, logprobs, counts, finish, top_ids, top_logprobs = self._run("verify", drafts, top)
-            kind, fed, program_rows = "verify", rows + sum(map(len, drafts)), self.slots
+            tokens, logprobs, counts, finish, top_ids, top_logprobs = self._run("verify", drafts, top, program_rows)
+            kind, fed = "verify", rows + sum(map(len, drafts))
         else:
             single = any(work is not None and (not work.decoding or work.rule is not None) for work in self.owners)
-            steps, program_rows = 1 if single else self._decode_steps(), self._decode_rows()
+            steps = 1 if single else self._decode_steps()
             start = time.perf_counter()
             tokens, logprobs, counts, finish, top_ids, top_logprobs = self._run("decode", top, steps, program_rows)
             self._step_seconds = (time.perf_counter() - start) / steps
