@@ -244,15 +244,17 @@ def decode_rows(params: Params, config: Config, slots: Slots, steps: jax.Array, 
 
 
 def on_leading_rows(steps: Callable, slots: Slots, rows: int | None, *row_inputs) -> tuple[Slots, Emitted]:
-    """steps(slots, *row_inputs) -> (Slots, Emitted) over the state's first `rows` rows only (None: every row): those
-    rows (and row_inputs', [B, ...] each) are copied out before the steps and back after them, at the cost of a
-    step of `rows` rows; the other rows emit nothing."""
+    """steps(slots, *row_inputs) -> (Slots, Emitted) over the state's first `rows` rows only (None: every row), at
+    the cost of a step of `rows` rows: the steps take those rows of every field but the cache (and of row_inputs',
+    [B, ...] each) and the whole cache, whose first rows they read and write in place (`forward` with a cache of more
+    rows than its tokens'); the other rows emit nothing."""
     batch = slots.token.shape[0]
     if rows is None or rows == batch:
         return steps(slots, *row_inputs)
-    leading = lambda column: column[:column.shape[0] // batch * rows]  # noqa: E731  (the cache's N = B * G rows)
-    part, emitted = steps(*jax.tree.map(leading, (slots, *row_inputs)))
-    slots = jax.tree.map(lambda whole, new: jax.lax.dynamic_update_slice_in_dim(whole, new, 0, 0), slots, part)
+    part, *row_inputs = jax.tree.map(lambda column: column[:rows], (slots.replace(cache=None), *row_inputs))
+    part, emitted = steps(part.replace(cache=slots.cache), *row_inputs)
+    slots = jax.tree.map(lambda whole, new: jax.lax.dynamic_update_slice_in_dim(whole, new, 0, 0),
+                         slots.replace(cache=None), part.replace(cache=None)).replace(cache=part.cache)
     return slots, jax.tree.map(lambda column: jnp.pad(column, [(0, batch - rows)] + [(0, 0)] * (column.ndim - 1)),
                                emitted)
 

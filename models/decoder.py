@@ -127,7 +127,7 @@ def decoder_layer(
             cache, keys, values = update_cache(cache, layer, keys, values, positions)
             slot_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (b, cache.max_len))  # slot i: position i
             mixed = attention(q, keys, values, rope_positions, slot_positions, window, causal=fresh,
-                              products=products)
+                              products=products, kv_heads=g)
         out = einsum("bthk,hkd->btd", mixed, lp.wo)
         out = out + lp.bo if config.o_bias else out
         x = x + (out if lora is None else lora.add(out, "wo", mixed))

@@ -54,10 +54,12 @@ def attention(
     segment_ids: jax.Array | None = None,
     causal: bool = False,
     products: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+    kv_heads: int | None = None,
 ) -> jax.Array:
     """Softmax attention of H query heads over G key/value heads, softmax in float32.
 
-    q: [B, T, H, K]; k: [N, S, K] and v: [N, K, S] with N = B * G (row b * G + g);
+    q: [B, T, H, K]; k: [N, S, K] and v: [N, K, S] with N = B * G (row b * G + g), or N ≥ B * G where kv_heads
+    gives G (a cache of more rows than the queries': its first B * G rows are read);
     q_positions: [B, T]; k_positions: [B, S]; segment_ids: optional [B, T] (see attention_mask).
     causal (static): the queries are the first T keys' tokens, in order (a forward without a cache, or a prompt's
     first chunk), so no query sees a later key: each block of CAUSAL_BLOCK queries reads the keys up to its own end
@@ -69,7 +71,7 @@ def attention(
     """
     mask = attention_mask(q_positions, k_positions, window, segment_ids)  # [B, T, S]
     if not causal:
-        return masked_attention(q, k, v, mask, products)
+        return masked_attention(q, k, v, mask, products, kv_heads)
     t = q.shape[1]
     blocks = [(start, min(start + CAUSAL_BLOCK, t)) for start in range(0, t, CAUSAL_BLOCK)]
     return jnp.concatenate([masked_attention(q[:, start:end], k[:, :end], v[:, :, :end], mask[:, start:end, :end])
@@ -77,12 +79,16 @@ def attention(
 
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                     products: Callable[[jax.Array, jax.Array], jax.Array] | None = None) -> jax.Array:
+                     products: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+                     kv_heads: int | None = None) -> jax.Array:
     """`attention` with its mask given: q [B, T, H, K], k [N, S, K], v [N, K, S], mask bool [B, T, S] →
-    [B, T, H, K]; products: see `attention`."""
+    [B, T, H, K]; products, kv_heads: see `attention`."""
     b, t, h, d = q.shape
-    n, s, _ = k.shape
-    g = n // b
+    s = k.shape[1]
+    g = kv_heads or k.shape[0] // b
+    n = b * g
+    if products is None:  # jnp.einsum's operands: the rows the queries read (`products` reads the first n itself)
+        k, v = k[:n], v[:n]
     heads = q.reshape(b, t, g, h // g, d).transpose(3, 0, 2, 1, 4).reshape(h // g, n, t, d)  # [R, N, T, K]
     if products is None:
         scores = jnp.stack([jnp.einsum("ntk,nsk->nts", head, k, preferred_element_type=jnp.float32)

@@ -564,7 +564,7 @@ ffi::Error Abt(ffi::ThreadPool pool, Cube a, Cube b, Int32Vector slots, CubeResu
   const float *as = a.typed_data(), *bs = b.typed_data();
   const int32_t* counts = slots.typed_data();
   float* ys = y->typed_data();
-  SplitOutputs(pool, b.dimensions()[0] * j, [&](int64_t r0, int64_t r1) {
+  SplitOutputs(pool, a.dimensions()[0] * j, [&](int64_t r0, int64_t r1) {  // b may have more rows: unread
     for (int64_t r = r0; r < r1;) {
       const int64_t n = r / j, end = std::min(r1, (n + 1) * j), j0 = r - n * j, j1 = end - n * j;
       const int64_t count = std::clamp<int64_t>(counts[n], 0, slots_contracted ? c : j);

@@ -139,15 +139,15 @@ def einsum(spec: str, x: jax.Array, w, **options) -> jax.Array:
 
 
 def batched(a: jax.Array, b: jax.Array, slots: jax.Array, slots_contracted: bool) -> jax.Array:
-    """out[n, i, j] = Σ_c a[n, i, c] · b[n, j, c]: a [N, I, C], b [N, J, C] → float32 [N, I, J], attention's products
-    over each n's first slots[n] key slots ([N] int32): b's rows j (slots_contracted False: the scores, a the queries,
+    """out[n, i, j] = Σ_c a[n, i, c] · b[n, j, c]: a [N, I, C], b [N', J, C] (N' ≥ N: its first N rows are read) →
+    float32 [N, I, J], attention's products over each n's first slots[n] key slots ([N] int32): b's rows j (slots_contracted False: the scores, a the queries,
     b the keys; past them the kernel gives 0) or the contracted c (True: the mixing, a the probabilities, which must
     be 0 past them, b the values). Through a kernel for float32 operands and I ≤ KERNEL_ROWS, each row of b read
     once for all of a's rows (XLA:CPU's batched dot reads a cache too large for the caches at several times the
     bandwidth cost, benchmarks/RESULTS.md); else jnp.einsum over every slot."""
     (n, rows, _), j = a.shape, b.shape[1]
     if not (a.dtype == b.dtype == jnp.float32 and rows <= KERNEL_ROWS):
-        return jnp.einsum("nic,njc->nij", a, b, preferred_element_type=jnp.float32)
+        return jnp.einsum("nic,njc->nij", a, b[:n], preferred_element_type=jnp.float32)
     register()
     return jax.ffi.ffi_call("linnet_abt", jax.ShapeDtypeStruct((n, rows, j), jnp.float32))(
         a, b, slots.astype(jnp.int32), slots_contracted=slots_contracted)

@@ -155,7 +155,8 @@ def test_attention_products_of_a_row_depend_on_nothing_past_its_slots():
 @pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 def test_attention_through_the_products_equals_the_per_head_form(dtype, tolerance):
     """`ops.attention` with `products` (the plan's on one CPU: the kernel for float32, einsum for bfloat16) gives the
-    per-head form's output, in q's dtype; rows see different numbers of slots (one under a window)."""
+    per-head form's output, in q's dtype; rows see different numbers of slots (one under a window). A cache of more
+    rows than the queries' (kv_heads given: a decode over an engine's leading rows) reads only its first ones."""
     from linnet_jax.ops.attention import attention
 
     rng = np.random.default_rng(3)
@@ -167,6 +168,13 @@ def test_attention_through_the_products_equals_the_per_head_form(dtype, toleranc
         expected = attention(q, k, v, positions, slots, window)
         assert got.dtype == dtype
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), atol=tolerance)
+        more_k, more_v = (jnp.concatenate([a, jnp.asarray(rng.standard_normal((6, *a.shape[1:]), np.float32)
+                                                           ).astype(dtype)]) for a in (k, v))
+        for products in (matvec.batched, None):
+            wider = attention(q, more_k, more_v, positions, slots, window, products=products, kv_heads=2)
+            np.testing.assert_array_equal(np.asarray(wider, np.float32),
+                                          np.asarray(attention(q, k, v, positions, slots, window, products=products),
+                                                     np.float32))
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_llama3", "mistral_sliding", "qwen2_bias_tied", "qwen3_qk_norm"])
