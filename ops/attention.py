@@ -74,7 +74,8 @@ def attention(
         return masked_attention(q, k, v, mask, products, kv_heads)
     t = q.shape[1]
     blocks = [(start, min(start + CAUSAL_BLOCK, t)) for start in range(0, t, CAUSAL_BLOCK)]
-    return jnp.concatenate([masked_attention(q[:, start:end], k[:, :end], v[:, :, :end], mask[:, start:end, :end])
+    return jnp.concatenate([masked_attention(q[:, start:end], k[:, :end], v[:, :, :end], mask[:, start:end, :end],
+                                             kv_heads=kv_heads)
                             for start, end in blocks], axis=1)
 
 
