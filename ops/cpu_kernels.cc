@@ -17,6 +17,7 @@
 //                                                             read once for all of them)
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -451,6 +452,215 @@ void DotInt8Rows(const float* x, int64_t rows, const int8_t* q, const float* s, 
     }
 }
 
+// ---- int8 weights times int8 digits of the activations (AVX-512 VNNI), where the CPU has it ----
+//
+// A row of activations x[0:k] becomes integers X = round(x · 2^22 / m), m the power of two at or above max |x| (so
+// the scaling is exact and |X| ≤ 2^22), written in kDigits balanced base-256 digits, X = d0 + 256 d1 + 65536 d2 with
+// each d in [-128, 127]. vpdpbusd multiplies 64 unsigned bytes by 64 signed ones and adds each four products into a
+// 32-bit lane; with the weights as unsigned bytes u = q + 128 (q ^ 0x80), Σ q X = Σ_d 256^d Σ u d_d − 128 Σ X, exact
+// in integers. So the one rounding before the scales is X's (at most 2^-23 m an input), and a row's sums depend on
+// nothing but its own values: not its batch, the threads, or the order of the sums. Three 64-weight instructions
+// (one a digit) do the work that widening the weights to float does in twelve.
+#ifdef LINNET_AVX2
+constexpr int kDigits = 3;
+constexpr int kDigitScaleBits = 22;        // X = x · 2^22 / m
+constexpr int64_t kMostSummedRows = 8192;  // an int32 lane sums at most this many inputs' products (< 2^31 / 255 / 128)
+constexpr int64_t kDigitRows = 32;  // weight rows streamed side by side a pass over the columns (the next ones prefetched)
+
+// Whether this CPU has AVX-512's byte operations and VNNI (vpdpbusd).
+bool HasVnni() {
+  static const bool vnni = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+  return vnni;
+}
+
+#define LINNET_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
+
+// A few rows of activations as digits: digits [rows, kDigits, k padded to a multiple of 64] (zeros past k), prefix
+// [rows, k / 16 + 1] (Σ X over 0:16 i), unit [rows] (the value of X = 1: m / 2^22); k a multiple of 16.
+struct Digits {
+  int64_t padded = 0, per_row = 0;
+  std::vector<int8_t> digits;
+  std::vector<int64_t> prefix;
+  std::vector<double> unit;
+
+  const int8_t* Row(int64_t t, int d) const { return digits.data() + (t * kDigits + d) * padded; }
+  // Σ X over r0:r1, multiples of 16
+  int64_t Sum(int64_t t, int64_t r0, int64_t r1) const {
+    return prefix[t * per_row + r1 / 16] - prefix[t * per_row + r0 / 16];
+  }
+};
+
+// x [rows, k] as Digits (k a multiple of 16): the calling thread's, read by the parts it hands out before it returns.
+LINNET_VNNI const Digits& ToDigits(const float* x, int64_t rows, int64_t k) {
+  thread_local Digits out;
+  out.padded = (k + 63) / 64 * 64;
+  out.per_row = k / 16 + 1;
+  out.digits.assign(rows * kDigits * out.padded, 0);
+  out.prefix.assign(rows * out.per_row, 0);
+  out.unit.resize(rows);
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* row = x + t * k;
+    __m512 most = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16) most = _mm512_max_ps(most, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
+    int exponent = 0;
+    std::frexp(_mm512_reduce_max_ps(most), &exponent);  // max |x| < 2^exponent (0 for 0)
+    exponent = std::max(exponent, kDigitScaleBits - 126);  // 2^(22 - exponent) a float: tinier rows lose digits
+    out.unit[t] = std::ldexp(1.0, exponent - kDigitScaleBits);
+    const __m512 scale = _mm512_set1_ps(std::ldexp(1.0f, kDigitScaleBits - exponent));
+    int64_t* prefix = out.prefix.data() + t * out.per_row;
+    for (int64_t i = 0; i < k; i += 16) {
+      __m512i value = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + i), scale));  // exact product, rounded
+      prefix[i / 16 + 1] = prefix[i / 16] + _mm512_reduce_add_epi32(value);
+      for (int d = 0; d < kDigits; ++d) {
+        const __m512i digit = _mm512_srai_epi32(_mm512_slli_epi32(value, 24), 24);  // the low byte, signed
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out.digits.data() + (t * kDigits + d) * out.padded + i),
+                         _mm512_cvtepi32_epi8(digit));
+        value = _mm512_srai_epi32(_mm512_sub_epi32(value, digit), 8);
+      }
+    }
+  }
+  return out;
+}
+
+// Σ_d 256^d sums[d] − 128 x_sum (Σ q X, exact in doubles: |·| < 2^46) times X's unit, rounded to float once; for
+// the 16 lanes of sums[·] (h = 0: lanes 0-7; 1: lanes 8-15).
+LINNET_VNNI inline __m256 DigitSums(const __m512i (&sums)[kDigits], int h, int64_t x_sum, double unit) {
+  __m512d total = _mm512_set1_pd(-128.0 * static_cast<double>(x_sum));
+  for (int d = 0; d < kDigits; ++d)
+    total = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(sums[d], h)),
+                            _mm512_set1_pd(static_cast<double>(int64_t{1} << (8 * d))), total);
+  return _mm512_cvtpd_ps(_mm512_mul_pd(total, _mm512_set1_pd(unit)));
+}
+
+// sums[p][d] += digit d's products with q[a:b, 0:64] (rows n apart, b − a a multiple of 4; columns past `columns`
+// read as 0), lane (L, i) of sums[p] (L its 128-bit quarter) summing column 16 L + 4 p + i: four rows' bytes
+// interleaved so that a lane holds one column's four rows. `ahead`: prefetch the rows that far on (0: none).
+LINNET_VNNI inline void AddDigitPanel(const int8_t* q, int64_t n, __mmask64 columns, const int8_t* (&digits)[kDigits],
+                                      int64_t a, int64_t b, int64_t ahead, __m512i (&sums)[4][kDigits]) {
+  const __m512i flip = _mm512_set1_epi8(-128);
+  for (int64_t i = a; i < b; i += 4) {
+    const int8_t* row = q + i * n;
+    if (ahead)
+      for (int r = 0; r < 4; ++r) __builtin_prefetch(row + (ahead + r) * n);
+    __m512i u[4];
+    for (int r = 0; r < 4; ++r) u[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(columns, row + r * n), flip);
+    const __m512i lo01 = _mm512_unpacklo_epi8(u[0], u[1]), hi01 = _mm512_unpackhi_epi8(u[0], u[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi8(u[2], u[3]), hi23 = _mm512_unpackhi_epi8(u[2], u[3]);
+    const __m512i interleaved[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
+                                    _mm512_unpacklo_epi16(hi01, hi23), _mm512_unpackhi_epi16(hi01, hi23)};
+    for (int d = 0; d < kDigits; ++d) {
+      int32_t four;
+      std::memcpy(&four, digits[d] + i, sizeof(four));
+      const __m512i digit = _mm512_set1_epi32(four);
+      for (int p = 0; p < 4; ++p) sums[p][d] = _mm512_dpbusd_epi32(sums[p][d], interleaved[p], digit);
+    }
+  }
+}
+
+// y[0:64] += scale[0:64] * each column's DigitSums (sums as AddDigitPanel leaves them; columns past `count` untouched).
+LINNET_VNNI inline void AddDigitPanelSums(const __m512i (&sums)[4][kDigits], int64_t x_sum, double unit,
+                                          const float* scale, float* y, int64_t count) {
+  __m512 v[4];
+  for (int p = 0; p < 4; ++p)
+    v[p] = _mm512_insertf32x8(_mm512_castps256_ps512(DigitSums(sums[p], 0, x_sum, unit)),
+                              DigitSums(sums[p], 1, x_sum, unit), 1);
+  // v[p]'s quarter L holds columns 16 L + 4 p + 0..3: the 4 × 4 quarters transposed into column order
+  const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_f32x4(v[0], v[1], 0xEE);
+  const __m512 t2 = _mm512_shuffle_f32x4(v[2], v[3], 0x44), t3 = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
+  const __m512 ordered[4] = {_mm512_shuffle_f32x4(t0, t2, 0x88), _mm512_shuffle_f32x4(t0, t2, 0xDD),
+                             _mm512_shuffle_f32x4(t1, t3, 0x88), _mm512_shuffle_f32x4(t1, t3, 0xDD)};
+  for (int l = 0; l < 4; ++l) {
+    const int64_t left = std::clamp<int64_t>(count - 16 * l, 0, 16);
+    const __mmask16 mask = left == 16 ? 0xFFFF : (1u << left) - 1;
+    _mm512_mask_storeu_ps(y + 16 * l, mask, _mm512_fmadd_ps(ordered[l], _mm512_maskz_loadu_ps(mask, scale + 16 * l),
+                                                            _mm512_maskz_loadu_ps(mask, y + 16 * l)));
+  }
+}
+
+// y[t, j0:j1] = x[t, 0:k] · (q[0:k, j0:j1] scaled by s, a row of scales per block of `block` input rows) for t <
+// rows, each block's rows in segments of at most kMostSummedRows (k and block multiples of 16): kDigitRows
+// weight rows at a time streamed side by side (the next ones prefetched), 64 columns at a time, their digit sums
+// kept in L1 until the segment's end; the rows read from memory for the first row of x, from L1 for the others.
+LINNET_VNNI void AccumulateInt8Digits(const Digits& x, int64_t rows, const int8_t* q, const float* s, float* y,
+                                      int64_t n, int64_t k, int64_t block, int64_t j0, int64_t j1) {
+  constexpr int64_t kPanelInts = 4 * kDigits * 16;  // a panel's sums, as AddDigitPanel keeps them
+  const int64_t panels = (j1 - j0 + 63) / 64;
+  thread_local std::vector<int32_t> kept;  // [rows, panels, kPanelInts]
+  kept.resize(rows * panels * kPanelInts);
+  for (int64_t t = 0; t < rows; ++t) std::fill(y + t * n + j0, y + t * n + j1, 0.0f);
+  for (int64_t a = 0, b; a < k; a = b) {
+    b = std::min({k, (a / block + 1) * block, a + kMostSummedRows});
+    std::fill(kept.begin(), kept.end(), 0);
+    for (int64_t r = a; r < b; r += kDigitRows)
+      for (int64_t j = j0; j < j1; j += 64) {
+        const int64_t count = std::min<int64_t>(64, j1 - j);
+        const __mmask64 columns = count == 64 ? ~__mmask64{0} : (__mmask64{1} << count) - 1;
+        for (int64_t t = 0; t < rows; ++t) {
+          const int8_t* digits[kDigits];
+          for (int d = 0; d < kDigits; ++d) digits[d] = x.Row(t, d);
+          int32_t* panel = kept.data() + (t * panels + (j - j0) / 64) * kPanelInts;
+          __m512i sums[4][kDigits];
+          std::memcpy(sums, panel, sizeof(sums));
+          AddDigitPanel(q + j, n, columns, digits, r, std::min(b, r + kDigitRows), t == 0 ? kDigitRows : 0,
+                        sums);
+          std::memcpy(panel, sums, sizeof(sums));
+        }
+      }
+    for (int64_t j = j0; j < j1; j += 64)
+      for (int64_t t = 0; t < rows; ++t) {
+        __m512i sums[4][kDigits];
+        std::memcpy(sums, kept.data() + (t * panels + (j - j0) / 64) * kPanelInts, sizeof(sums));
+        AddDigitPanelSums(sums, x.Sum(t, a, b), x.unit[t], s + (a / block) * n + j, y + t * n + j,
+                          std::min<int64_t>(64, j1 - j));
+      }
+  }
+}
+
+// y[t, r:r+count] = (q[r:r+count, 0:k] scaled by s, s [n, k / block]) · x[t, 0:k] (count ≤ 4): each row's digit sums
+// in 16 lanes over a segment (a block, or kMostSummedRows of one; block a multiple of 64 or k), added across at its
+// end, the segments' scaled sums added in order.
+LINNET_VNNI inline void DotDigitGroup(const int8_t* q, int64_t count, int64_t k, const float* s, int64_t block,
+                                      const Digits& x, int64_t t, float* y) {
+  const __m512i flip = _mm512_set1_epi8(-128);
+  float totals[4] = {};
+  for (int64_t a = 0, b; a < k; a = b) {
+    b = std::min({k, (a / block + 1) * block, a + kMostSummedRows});
+    __m512i sums[4][kDigits];
+    for (auto& row : sums)
+      for (auto& sum : row) sum = _mm512_setzero_si512();
+    for (int64_t c = a; c < b; c += 64) {
+      const __mmask64 inputs = b - c >= 64 ? ~__mmask64{0} : (__mmask64{1} << (b - c)) - 1;
+      __m512i digit[kDigits];
+      for (int d = 0; d < kDigits; ++d) digit[d] = _mm512_loadu_si512(x.Row(t, d) + c);
+      for (int64_t i = 0; i < count; ++i) {  // masked-off weights read as 0 (u = 128), against zero digits past k
+        const __m512i u = _mm512_xor_si512(_mm512_maskz_loadu_epi8(inputs, q + i * k + c), flip);
+        for (int d = 0; d < kDigits; ++d) sums[i][d] = _mm512_dpbusd_epi32(sums[i][d], u, digit[d]);
+      }
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      int64_t total = -128 * x.Sum(t, a, b);
+      for (int d = 0; d < kDigits; ++d) total += int64_t{_mm512_reduce_add_epi32(sums[i][d])} << (8 * d);
+      const auto sum = static_cast<float>(static_cast<double>(total) * x.unit[t]);
+      totals[i] = std::fma(sum, s[i * (k / block) + a / block], totals[i]);
+    }
+  }
+  std::memcpy(y, totals, count * sizeof(float));
+}
+
+// y[t, r] = (q[r, 0:k] scaled, s [n, k / block]) · x[t, 0:k] for r in r0..r1 and t < rows (y [rows, n]): four rows
+// of q at a time, read from memory for the first row of x (the group kGroupsAhead on prefetched) and from the caches
+// for the others.
+LINNET_VNNI void DotInt8Digits(const Digits& x, int64_t rows, const int8_t* q, const float* s, float* y, int64_t n,
+                               int64_t k, int64_t block, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; r += 4) {
+    if (r + 4 * (kGroupsAhead + 1) <= r1)
+      for (int64_t p = 0; p < 4 * k; p += 64) __builtin_prefetch(q + (r + 4 * kGroupsAhead) * k + p);
+    for (int64_t t = 0; t < rows; ++t)
+      DotDigitGroup(q + r * k, std::min<int64_t>(4, r1 - r), k, s + r * (k / block), block, x, t, y + t * n + r);
+  }
+}
+#endif
+
 // Runs part(i) for i in 0..parts-1 and returns when all are done. This thread and a pool task per pool thread (at
 // most parts-1) each claim the next unclaimed part until none is left, so this thread only ever waits for parts
 // that another thread is running: when the pool is busy (or runs several products at once) it does them all itself.
@@ -491,6 +701,18 @@ void SplitOutputs(ffi::ThreadPool& pool, int64_t n, const RowsPart& dot) {
   const int64_t parts = Parts(pool, n);
   const int64_t step = ((n + parts - 1) / parts + 3) / 4 * 4;  // whole groups of four: a row's sums never depend on n
   RunParts(pool, parts, [&](int64_t i) { dot(i * step, std::min(n, (i + 1) * step)); });
+}
+
+// part(j0, j1) for the n output columns, in parts of whole panels of 64 columns (the int8 digit products, whose
+// columns' sums do not depend on the parts) and at least kMinPartBytes of the weights' `bytes`.
+constexpr int64_t kMinPartBytes = 128 << 10;  // a smaller part costs about as much to hand over as to run
+
+template <typename Part>
+void SplitPanels(ffi::ThreadPool& pool, int64_t n, int64_t bytes, const Part& part) {
+  const int64_t panels = (n + 63) / 64;
+  const int64_t parts = std::clamp<int64_t>(bytes / kMinPartBytes, 1, std::min<int64_t>(pool.num_threads(), panels));
+  const int64_t step = (panels + parts - 1) / parts * 64;
+  RunParts(pool, parts, [&](int64_t i) { part(i * step, std::min(n, (i + 1) * step)); });
 }
 
 // out[0:n] = the sum over the k input rows of accumulate(partial, r0, r1): the rows cut into up to kInputParts parts
@@ -539,16 +761,34 @@ ffi::Error Wx(ffi::ThreadPool pool, Matrix x, Matrix w, MatrixResult y) {
 
 // The int8 products take x [T, K] and give y [T, N]: one row straight from the int8 weights, several from each
 // weight widened once for all the rows; a row's sums are the same either way.
-ffi::Error XwInt8(ffi::ThreadPool pool, Matrix x, Int8Matrix q, Matrix s, MatrixResult y) {
+ffi::Error XwInt8(ffi::ThreadPool pool, Matrix x, Int8Matrix q, Matrix s, MatrixResult y, bool digits) {
   const int64_t rows = x.dimensions()[0], k = q.dimensions()[0], n = q.dimensions()[1], block = k / s.dimensions()[0];
+#ifdef LINNET_AVX2
+  if (digits && HasVnni() && k % 16 == 0 && block % 16 == 0) {
+    const Digits& xd = ToDigits(x.typed_data(), rows, k);
+    SplitPanels(pool, n, k * n, [&](int64_t j0, int64_t j1) {
+      AccumulateInt8Digits(xd, rows, q.typed_data(), s.typed_data(), y->typed_data(), n, k, block, j0, j1);
+    });
+    return ffi::Error::Success();
+  }
+#endif
   SplitInputs(pool, k, rows * n, y->typed_data(), [&](float* out, int64_t r0, int64_t r1) {
     AccumulateInt8(x.typed_data(), k, rows, q.typed_data(), s.typed_data(), out, n, block, r0, r1);
   });
   return ffi::Error::Success();
 }
 
-ffi::Error WxInt8(ffi::ThreadPool pool, Matrix x, Int8Matrix q, Matrix s, MatrixResult y) {
+ffi::Error WxInt8(ffi::ThreadPool pool, Matrix x, Int8Matrix q, Matrix s, MatrixResult y, bool digits) {
   const int64_t rows = x.dimensions()[0], n = q.dimensions()[0], k = q.dimensions()[1], block = k / s.dimensions()[1];
+#ifdef LINNET_AVX2
+  if (digits && HasVnni() && k % 16 == 0 && (block % 64 == 0 || block == k)) {
+    const Digits& xd = ToDigits(x.typed_data(), rows, k);
+    SplitOutputs(pool, n, [&](int64_t r0, int64_t r1) {
+      DotInt8Digits(xd, rows, q.typed_data(), s.typed_data(), y->typed_data(), n, k, block, r0, r1);
+    });
+    return ffi::Error::Success();
+  }
+#endif
   SplitOutputs(pool, n, [&](int64_t r0, int64_t r1) {
     DotInt8Rows(x.typed_data(), rows, q.typed_data(), s.typed_data(), y->typed_data(), n, k, block, r0, r1);
   });
@@ -588,11 +828,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinnetWx, Wx,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     LinnetXwInt8, XwInt8,
-    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix>().Arg<Int8Matrix>().Arg<Matrix>().Ret<Matrix>());
+    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix>().Arg<Int8Matrix>().Arg<Matrix>().Ret<Matrix>().Attr<bool>("digits"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     LinnetWxInt8, WxInt8,
-    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix>().Arg<Int8Matrix>().Arg<Matrix>().Ret<Matrix>());
+    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix>().Arg<Int8Matrix>().Arg<Matrix>().Ret<Matrix>().Attr<bool>("digits"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LinnetAbt, Abt,
                               ffi::Ffi::Bind()

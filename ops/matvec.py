@@ -108,6 +108,13 @@ def register() -> None:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
 
 
+@functools.cache
+def int8_digits() -> bool:
+    """Whether the int8 kernels take the activations as int8 digits (ops/cpu_kernels.cc: exact integer sums with
+    AVX-512 VNNI, a quarter of the work of widening each weight to float), which this CPU has; else they widen."""
+    return {"avx512bw", "avx512_vnni"} <= cpu_flags()
+
+
 KERNEL_ROWS = 32  # the most activation rows a product takes through the kernels (a decode or verify step's)
 
 
@@ -134,7 +141,8 @@ def einsum(spec: str, x: jax.Array, w, **options) -> jax.Array:
     matrix = values.reshape(width, -1) if input_first else values.reshape(-1, width)
     target = ("linnet_xw" if input_first else "linnet_wx") + ("" if scales is None else "_int8")
     y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((count, math.prod(free_shape)), jnp.float32))(
-        x.reshape(count, width), matrix, *(() if scales is None else (scales,)))
+        x.reshape(count, width), matrix, *(() if scales is None else (scales,)),
+        **({} if scales is None else {"digits": int8_digits()}))
     return y.reshape(*x.shape[:len(rows)], *free_shape)
 
 

@@ -34,10 +34,18 @@ PRODUCTS = [  # (spec, weight shape, its contracted axes): every product the mod
 ]
 
 
+@pytest.fixture(params=sorted({False, matvec.int8_digits()}), ids=lambda digits: "digits" if digits else "widened")
+def int8_kernels(request, monkeypatch):
+    """Both ways the int8 kernels run where this CPU has both: the weights times int8 digits of the activations
+    (AVX-512 VNNI), and the weights widened to float."""
+    monkeypatch.setattr(matvec, "int8_digits", lambda: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("rows", [1, 3, matvec.KERNEL_ROWS + 1])
 @pytest.mark.parametrize("block", [None, 32])
 @pytest.mark.parametrize("spec, shape, contracted", PRODUCTS)
-def test_every_int8_product_equals_dequantize_then_float(spec, shape, contracted, block, rows):
+def test_every_int8_product_equals_dequantize_then_float(spec, shape, contracted, block, rows, int8_kernels):
     """A decode step's rows go through linnet's int8 kernels (where they run: one row, or a few sharing each
     weight's dequantization), more through qwix's product: all equal the float product with the dequantized
     weight, within float rounding."""
@@ -56,7 +64,7 @@ def test_every_int8_product_equals_dequantize_then_float(spec, shape, contracted
 
 @pytest.mark.parametrize("block", [None, 32])
 @pytest.mark.parametrize("spec, shape, contracted", PRODUCTS)
-def test_an_int8_products_row_is_the_same_alone_or_among_others(spec, shape, contracted, block):
+def test_an_int8_products_row_is_the_same_alone_or_among_others(spec, shape, contracted, block, int8_kernels):
     """One row goes straight from the int8 weights, several through each weight widened once: a row's result is the
     same bit for bit either way (a request's tokens do not depend on its batch)."""
     q = quantize_weight(jax.random.normal(jax.random.key(0), shape), contracted, block)
@@ -65,6 +73,27 @@ def test_an_int8_products_row_is_the_same_alone_or_among_others(spec, shape, con
     together = np.asarray(product(x, q))
     for row in (0, 4):
         np.testing.assert_array_equal(np.asarray(product(x[row:row + 1], q))[0], together[row])
+
+
+@pytest.mark.parametrize("outlier", [1.0, 1e4])
+@pytest.mark.parametrize("spec, shape, contracted", [PRODUCTS[2], PRODUCTS[3], PRODUCTS[4]])
+def test_int8_digits_round_only_the_activations(spec, shape, contracted, outlier, monkeypatch):
+    """The digit products round each activation to 2^-23 of the power of two above the row's largest and nothing
+    else before the float result: each output is within (2^-22 max |x|) Σ|w| + its own float rounding of the exact
+    product, and within 8× float32's own error (numpy's product of the same float32 operands), even where one
+    input is 10^4 times the others."""
+    monkeypatch.setattr(matvec, "int8_digits", lambda: True)
+    q = quantize_weight(jax.random.normal(jax.random.key(0), shape), contracted, None)
+    x = np.array(jax.random.normal(jax.random.key(1), (1, 1, shape[contracted[0]])))
+    x[..., 7] = 10 * outlier
+    weight = np.asarray(qwix.dequantize(q), np.float64)
+    exact = np.einsum(spec, x.astype(np.float64), weight)
+    got = np.asarray(jax.jit(lambda x, w: matvec.einsum(spec, x, w))(jnp.asarray(x), q), np.float64)
+    error = np.abs(got - exact)
+    assert np.all(error <= 2.0 ** -22 * np.abs(x).max() * np.einsum(spec, np.ones_like(x), np.abs(weight))
+                  + 2.0 ** -24 * np.abs(exact))
+    float32_error = np.abs(np.einsum(spec, x.astype(np.float32), weight.astype(np.float32)) - exact).max()
+    assert error.max() <= 8 * float32_error, (error.max(), float32_error)
 
 
 @pytest.fixture(scope="module")
