@@ -532,28 +532,28 @@ LINNET_VNNI inline __m256 DigitSums(const __m512i (&sums)[kDigits], int h, int64
   return _mm512_cvtpd_ps(_mm512_mul_pd(total, _mm512_set1_pd(unit)));
 }
 
-// sums[p][d] += digit d's products with q[a:b, 0:64] (rows n apart, b − a a multiple of 4; columns past `columns`
-// read as 0), lane (L, i) of sums[p] (L its 128-bit quarter) summing column 16 L + 4 p + i: four rows' bytes
-// interleaved so that a lane holds one column's four rows. `ahead`: prefetch the rows that far on (0: none).
-LINNET_VNNI inline void AddDigitPanel(const int8_t* q, int64_t n, __mmask64 columns, const int8_t* (&digits)[kDigits],
-                                      int64_t a, int64_t b, int64_t ahead, __m512i (&sums)[4][kDigits]) {
+// q[i:i+4, 0:64] (rows n apart; columns past `columns` read as 0) as unsigned bytes (q ^ 0x80) with each column's
+// four rows side by side, so that lane (L, i) of interleaved[p] (L its 128-bit quarter) holds column 16 L + 4 p + i.
+LINNET_VNNI inline void Interleave(const int8_t* q, int64_t n, __mmask64 columns, __m512i (&interleaved)[4]) {
   const __m512i flip = _mm512_set1_epi8(-128);
-  for (int64_t i = a; i < b; i += 4) {
-    const int8_t* row = q + i * n;
-    if (ahead)
-      for (int r = 0; r < 4; ++r) __builtin_prefetch(row + (ahead + r) * n);
-    __m512i u[4];
-    for (int r = 0; r < 4; ++r) u[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(columns, row + r * n), flip);
-    const __m512i lo01 = _mm512_unpacklo_epi8(u[0], u[1]), hi01 = _mm512_unpackhi_epi8(u[0], u[1]);
-    const __m512i lo23 = _mm512_unpacklo_epi8(u[2], u[3]), hi23 = _mm512_unpackhi_epi8(u[2], u[3]);
-    const __m512i interleaved[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
-                                    _mm512_unpacklo_epi16(hi01, hi23), _mm512_unpackhi_epi16(hi01, hi23)};
-    for (int d = 0; d < kDigits; ++d) {
-      int32_t four;
-      std::memcpy(&four, digits[d] + i, sizeof(four));
-      const __m512i digit = _mm512_set1_epi32(four);
-      for (int p = 0; p < 4; ++p) sums[p][d] = _mm512_dpbusd_epi32(sums[p][d], interleaved[p], digit);
-    }
+  __m512i u[4];
+  for (int r = 0; r < 4; ++r) u[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(columns, q + r * n), flip);
+  const __m512i lo01 = _mm512_unpacklo_epi8(u[0], u[1]), hi01 = _mm512_unpackhi_epi8(u[0], u[1]);
+  const __m512i lo23 = _mm512_unpacklo_epi8(u[2], u[3]), hi23 = _mm512_unpackhi_epi8(u[2], u[3]);
+  interleaved[0] = _mm512_unpacklo_epi16(lo01, lo23);
+  interleaved[1] = _mm512_unpackhi_epi16(lo01, lo23);
+  interleaved[2] = _mm512_unpacklo_epi16(hi01, hi23);
+  interleaved[3] = _mm512_unpackhi_epi16(hi01, hi23);
+}
+
+// sums[p][d] += digit d's products of inputs i:i+4 with four interleaved rows (as Interleave leaves them).
+LINNET_VNNI inline void AddDigits(const __m512i (&interleaved)[4], const int8_t* const (&digits)[kDigits], int64_t i,
+                                  __m512i (&sums)[4][kDigits]) {
+  for (int d = 0; d < kDigits; ++d) {
+    int32_t four;
+    std::memcpy(&four, digits[d] + i, sizeof(four));
+    const __m512i digit = _mm512_set1_epi32(four);
+    for (int p = 0; p < 4; ++p) sums[p][d] = _mm512_dpbusd_epi32(sums[p][d], interleaved[p], digit);
   }
 }
 
@@ -591,21 +591,27 @@ LINNET_VNNI void AccumulateInt8Digits(const Digits& x, int64_t rows, const int8_
   for (int64_t a = 0, b; a < k; a = b) {
     b = std::min({k, (a / block + 1) * block, a + kMostSummedRows});
     std::fill(kept.begin(), kept.end(), 0);
-    for (int64_t r = a; r < b; r += kDigitRows)
+    for (int64_t r = a; r < b; r += kDigitRows) {
+      const int64_t end = std::min(b, r + kDigitRows);
       for (int64_t j = j0; j < j1; j += 64) {
         const int64_t count = std::min<int64_t>(64, j1 - j);
         const __mmask64 columns = count == 64 ? ~__mmask64{0} : (__mmask64{1} << count) - 1;
+        __m512i staged[kDigitRows / 4][4];  // the group's rows, read and interleaved once for all the rows of x
+        for (int64_t i = r; i < end; i += 4) {
+          for (int64_t p = 0; p < 4; ++p) __builtin_prefetch(q + (i + kDigitRows + p) * n + j);  // the next group's
+          Interleave(q + i * n + j, n, columns, staged[(i - r) / 4]);
+        }
         for (int64_t t = 0; t < rows; ++t) {
           const int8_t* digits[kDigits];
           for (int d = 0; d < kDigits; ++d) digits[d] = x.Row(t, d);
           int32_t* panel = kept.data() + (t * panels + (j - j0) / 64) * kPanelInts;
           __m512i sums[4][kDigits];
           std::memcpy(sums, panel, sizeof(sums));
-          AddDigitPanel(q + j, n, columns, digits, r, std::min(b, r + kDigitRows), t == 0 ? kDigitRows : 0,
-                        sums);
+          for (int64_t i = r; i < end; i += 4) AddDigits(staged[(i - r) / 4], digits, i, sums);
           std::memcpy(panel, sums, sizeof(sums));
         }
       }
+    }
     for (int64_t j = j0; j < j1; j += 64)
       for (int64_t t = 0; t < rows; ++t) {
         __m512i sums[4][kDigits];
@@ -614,6 +620,16 @@ LINNET_VNNI void AccumulateInt8Digits(const Digits& x, int64_t rows, const int8_
                           std::min<int64_t>(64, j1 - j));
       }
   }
+}
+
+// [Σ v[0], Σ v[1], Σ v[2], Σ v[3]], each over its 16 lanes: pairs of lanes added within each 128-bit quarter, then
+// the quarters.
+LINNET_VNNI inline __m128i SumLanes(const __m512i (&v)[4]) {
+  const __m512i v01 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
+  const __m512i v23 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
+  const __m512i quarters = _mm512_add_epi32(_mm512_unpacklo_epi64(v01, v23), _mm512_unpackhi_epi64(v01, v23));
+  const __m256i halves = _mm256_add_epi32(_mm512_castsi512_si256(quarters), _mm512_extracti64x4_epi64(quarters, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1));
 }
 
 // y[t, r:r+count] = (q[r:r+count, 0:k] scaled by s, s [n, k / block]) · x[t, 0:k] (count ≤ 4): each row's digit sums
@@ -637,9 +653,14 @@ LINNET_VNNI inline void DotDigitGroup(const int8_t* q, int64_t count, int64_t k,
         for (int d = 0; d < kDigits; ++d) sums[i][d] = _mm512_dpbusd_epi32(sums[i][d], u, digit[d]);
       }
     }
+    int32_t lanes[kDigits][4];  // each row's sums of its 16 lanes, a digit at a time
+    for (int d = 0; d < kDigits; ++d) {
+      const __m512i rows[4] = {sums[0][d], sums[1][d], sums[2][d], sums[3][d]};
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lanes[d]), SumLanes(rows));
+    }
     for (int64_t i = 0; i < count; ++i) {
       int64_t total = -128 * x.Sum(t, a, b);
-      for (int d = 0; d < kDigits; ++d) total += int64_t{_mm512_reduce_add_epi32(sums[i][d])} << (8 * d);
+      for (int d = 0; d < kDigits; ++d) total += int64_t{lanes[d][i]} << (8 * d);
       const auto sum = static_cast<float>(static_cast<double>(total) * x.unit[t]);
       totals[i] = std::fma(sum, s[i * (k / block) + a / block], totals[i]);
     }
