@@ -60,9 +60,8 @@ def project_qkv(h: jax.Array, lp: LayerParams, config: Config, lora: Lora | Lora
                 einsum=jnp.einsum) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Query, key and value heads of one layer: h [B, T, D] → q [B, T, H, K], k and v [B, T, G, K].
     lora: one layer's adapters, added to the biased projections; einsum: how products run (`forward`)."""
-    q = einsum("btd,dhk->bthk", h, lp.wq)
-    k = einsum("btd,dgk->btgk", h, lp.wk)
-    v = einsum("btd,dgk->btgk", h, lp.wv)
+    q, k, v = quantized.einsums(einsum, h, [("btd,dhk->bthk", lp.wq), ("btd,dgk->btgk", lp.wk),
+                                            ("btd,dgk->btgk", lp.wv)])
     if config.qkv_bias:
         q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
     if lora is not None:

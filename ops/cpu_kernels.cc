@@ -724,17 +724,41 @@ void SplitOutputs(ffi::ThreadPool& pool, int64_t n, const RowsPart& dot) {
   RunParts(pool, parts, [&](int64_t i) { dot(i * step, std::min(n, (i + 1) * step)); });
 }
 
-// part(j0, j1) for the n output columns, in parts of whole panels of 64 columns (the int8 digit products, whose
-// columns' sums do not depend on the parts) and at least kMinPartBytes of the weights' `bytes`.
-constexpr int64_t kMinPartBytes = 128 << 10;  // a smaller part costs about as much to hand over as to run
+// One int8 product of a step's activations x [rows, k]: y [rows, n] = x · (q [k, n] scaled by s [k / block, n]).
+struct Int8Product {
+  const int8_t* q;
+  const float* s;
+  float* y;
+  int64_t n, block;
+};
 
-template <typename Part>
-void SplitPanels(ffi::ThreadPool& pool, int64_t n, int64_t bytes, const Part& part) {
-  const int64_t panels = (n + 63) / 64;
+#ifdef LINNET_AVX2
+constexpr int64_t kMinPartBytes = 128 << 10;  // a smaller part of a product costs about as much to hand over as to run
+
+// The products of one x by digits, their panels of 64 columns split across the threads together (a part may span
+// products; a column's sums do not depend on the parts), at least kMinPartBytes of the weights a part.
+void DigitProducts(ffi::ThreadPool& pool, const Digits& x, int64_t rows, int64_t k,
+                   const std::vector<Int8Product>& products) {
+  std::vector<int64_t> first = {0};  // each product's first panel among all of them
+  int64_t bytes = 0;
+  for (const Int8Product& product : products) {
+    first.push_back(first.back() + (product.n + 63) / 64);
+    bytes += k * product.n;
+  }
+  const int64_t panels = first.back();
   const int64_t parts = std::clamp<int64_t>(bytes / kMinPartBytes, 1, std::min<int64_t>(pool.num_threads(), panels));
-  const int64_t step = (panels + parts - 1) / parts * 64;
-  RunParts(pool, parts, [&](int64_t i) { part(i * step, std::min(n, (i + 1) * step)); });
+  const int64_t step = (panels + parts - 1) / parts;
+  RunParts(pool, parts, [&](int64_t part) {
+    for (size_t i = 0; i < products.size(); ++i) {
+      const Int8Product& product = products[i];
+      const int64_t p0 = std::max(part * step, first[i]), p1 = std::min((part + 1) * step, first[i + 1]);
+      if (p0 < p1)
+        AccumulateInt8Digits(x, rows, product.q, product.s, product.y, product.n, k, product.block,
+                             (p0 - first[i]) * 64, std::min(product.n, (p1 - first[i]) * 64));
+    }
+  });
 }
+#endif
 
 // out[0:n] = the sum over the k input rows of accumulate(partial, r0, r1): the rows cut into up to kInputParts parts
 // (whole groups of kBatchWeightRows) by k alone, each accumulated into its own partial by whichever thread claims it
@@ -782,20 +806,37 @@ ffi::Error Wx(ffi::ThreadPool pool, Matrix x, Matrix w, MatrixResult y) {
 
 // The int8 products take x [T, K] and give y [T, N]: one row straight from the int8 weights, several from each
 // weight widened once for all the rows; a row's sums are the same either way.
-ffi::Error XwInt8(ffi::ThreadPool pool, Matrix x, Int8Matrix q, Matrix s, MatrixResult y, bool digits) {
-  const int64_t rows = x.dimensions()[0], k = q.dimensions()[0], n = q.dimensions()[1], block = k / s.dimensions()[0];
+// The int8 products of one x [T, K] with several weights (a layer's q, k and v, or its gate and up) in one call:
+// args x, then each weight's q [K, N] and s [K / G, N]; results each y [T, N]. By digits where the CPU has VNNI
+// (x's digits made once, every product's columns split across the threads together), else each product through the
+// widened loops; a product's result is the same alone or among others.
+ffi::Error XwInt8(ffi::ThreadPool pool, Matrix x, ffi::RemainingArgs weights, ffi::RemainingRets outputs,
+                  bool digits) {
+  const int64_t rows = x.dimensions()[0], k = x.dimensions()[1];
+  if (weights.size() != 2 * outputs.size())
+    return ffi::Error::InvalidArgument("linnet_xw_int8 takes x, then an int8 weight and its scales per result");
+  std::vector<Int8Product> products;
+  bool by_digits = digits && k % 16 == 0;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const auto q = weights.get<Int8Matrix>(2 * i);
+    const auto s = weights.get<Matrix>(2 * i + 1);
+    auto y = outputs.get<Matrix>(i);
+    if (!q.has_value() || !s.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("linnet_xw_int8: a weight must be int8 [K, N], its scales and result float32");
+    const int64_t n = q->dimensions()[1], block = k / s->dimensions()[0];
+    by_digits = by_digits && block % 16 == 0;
+    products.push_back({q->typed_data(), s->typed_data(), (*y)->typed_data(), n, block});
+  }
 #ifdef LINNET_AVX2
-  if (digits && HasVnni() && k % 16 == 0 && block % 16 == 0) {
-    const Digits& xd = ToDigits(x.typed_data(), rows, k);
-    SplitPanels(pool, n, k * n, [&](int64_t j0, int64_t j1) {
-      AccumulateInt8Digits(xd, rows, q.typed_data(), s.typed_data(), y->typed_data(), n, k, block, j0, j1);
-    });
+  if (by_digits && HasVnni()) {
+    DigitProducts(pool, ToDigits(x.typed_data(), rows, k), rows, k, products);
     return ffi::Error::Success();
   }
 #endif
-  SplitInputs(pool, k, rows * n, y->typed_data(), [&](float* out, int64_t r0, int64_t r1) {
-    AccumulateInt8(x.typed_data(), k, rows, q.typed_data(), s.typed_data(), out, n, block, r0, r1);
-  });
+  for (const Int8Product& product : products)
+    SplitInputs(pool, k, rows * product.n, product.y, [&](float* out, int64_t r0, int64_t r1) {
+      AccumulateInt8(x.typed_data(), k, rows, product.q, product.s, out, product.n, product.block, r0, r1);
+    });
   return ffi::Error::Success();
 }
 
@@ -849,7 +890,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinnetWx, Wx,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     LinnetXwInt8, XwInt8,
-    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix>().Arg<Int8Matrix>().Arg<Matrix>().Ret<Matrix>().Attr<bool>("digits"));
+    ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix>().RemainingArgs().RemainingRets().Attr<bool>("digits"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     LinnetWxInt8, WxInt8,

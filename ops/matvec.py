@@ -20,6 +20,7 @@ import re
 import warnings
 from importlib.metadata import version
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -118,10 +119,20 @@ def int8_digits() -> bool:
 KERNEL_ROWS = 32  # the most activation rows a product takes through the kernels (a decode or verify step's)
 
 
-def einsum(spec: str, x: jax.Array, w, **options) -> jax.Array:
-    """`ops.quantized.einsum(spec, x, w, **options)`, through a kernel when up to KERNEL_ROWS rows of float32
-    activations contract their trailing axes with w's leading (x · w) or trailing (w · x) axes and the output is x's
-    free axes then w's, and w is float32 or int8 with float32 scales (`kernel_scales`)."""
+class KernelProduct(NamedTuple):
+    """How a kernel takes einsum(spec, x, w): its target, x as [T, K], w as a matrix (input first: [K, N], else
+    [N, K]), its scales (None: float32 weights) and the output's shape."""
+    target: str
+    rows: jax.Array
+    matrix: jax.Array
+    scales: jax.Array | None
+    shape: tuple[int, ...]
+
+
+def kernel_product(spec: str, x: jax.Array, w) -> KernelProduct | None:
+    """How a kernel takes einsum(spec, x, w), or None where none does: up to KERNEL_ROWS rows of float32 activations
+    contracting their trailing axes with w's leading (x · w) or trailing (w · x) axes, the output x's free axes then
+    w's, and w float32 or int8 with float32 scales (`kernel_scales`)."""
     inputs, out = spec.split("->")
     x_axes, w_axes = inputs.split(",")
     contracted = "".join(axis for axis in x_axes if axis in w_axes and axis not in out)
@@ -133,17 +144,44 @@ def einsum(spec: str, x: jax.Array, w, **options) -> jax.Array:
     count = math.prod(x.shape[:len(rows)])
     if (w_free is None or not x_axes.endswith(contracted) or out != rows + w_free or x.dtype != jnp.float32
             or not takes_w or not 1 <= count <= KERNEL_ROWS):
-        return quantized_einsum(spec, x, w, **options)
-    register()
+        return None
     width = math.prod(x.shape[len(rows):])
-    free_shape = w.shape[k:] if input_first else w.shape[:-k]
     values = w if scales is None else w.qvalue
     matrix = values.reshape(width, -1) if input_first else values.reshape(-1, width)
     target = ("linnet_xw" if input_first else "linnet_wx") + ("" if scales is None else "_int8")
-    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((count, math.prod(free_shape)), jnp.float32))(
-        x.reshape(count, width), matrix, *(() if scales is None else (scales,)),
-        **({} if scales is None else {"digits": int8_digits()}))
-    return y.reshape(*x.shape[:len(rows)], *free_shape)
+    free_shape = w.shape[k:] if input_first else w.shape[:-k]
+    return KernelProduct(target, x.reshape(count, width), matrix, scales, (*x.shape[:len(rows)], *free_shape))
+
+
+def run_kernel(products: list[KernelProduct]) -> list[jax.Array]:
+    """The products' results, through one kernel call: one product, or several int8 ones of the same x · w (the
+    projections of one input), which the kernel runs together (x's digits made once, one hand-over to the threads)."""
+    register()
+    first = products[0]
+    count = first.rows.shape[0]
+    results = [jax.ShapeDtypeStruct((count, math.prod(product.shape) // count), jnp.float32) for product in products]
+    weights = [array for product in products for array in (product.matrix, product.scales) if array is not None]
+    options = {} if first.scales is None else {"digits": int8_digits()}
+    outputs = jax.ffi.ffi_call(first.target, results)(first.rows, *weights, **options)
+    return [y.reshape(product.shape) for y, product in zip(outputs, products)]
+
+
+def einsum(spec: str, x: jax.Array, w, **options) -> jax.Array:
+    """`ops.quantized.einsum(spec, x, w, **options)`, through a kernel where one takes it (`kernel_product`)."""
+    product = kernel_product(spec, x, w)
+    return quantized_einsum(spec, x, w, **options) if product is None else run_kernel([product])[0]
+
+
+def einsums_of_one_input(x: jax.Array, products: list[tuple[str, object]]) -> list[jax.Array]:
+    """[einsum(spec, x, w) for spec, w in products], the int8 x · w ones through one kernel call when they all are
+    (`ops.quantized.einsums`: a layer's q, k and v, its gate and up): three hand-overs fewer a layer."""
+    kernels = [kernel_product(spec, x, w) for spec, w in products]
+    if len(kernels) > 1 and all(product is not None and product.target == "linnet_xw_int8" for product in kernels):
+        return run_kernel(kernels)
+    return [einsum(spec, x, w) for spec, w in products]
+
+
+einsum.of_one_input = einsums_of_one_input
 
 
 def batched(a: jax.Array, b: jax.Array, slots: jax.Array, slots_contracted: bool) -> jax.Array:

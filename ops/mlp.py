@@ -8,6 +8,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+import linnet_jax.ops.quantized as quantized
+
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
            adapt: Callable[[jax.Array, str, jax.Array], jax.Array] | None = None, einsum=jnp.einsum) -> jax.Array:
@@ -19,7 +21,7 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
     (jnp.einsum, or `ops.matvec.einsum`).
     """
     adapt = adapt or (lambda out, name, inputs: out)
-    gate = adapt(einsum("btd,df->btf", x, w_gate), "w_gate", x)
-    up = adapt(einsum("btd,df->btf", x, w_up), "w_up", x)
+    gate, up = quantized.einsums(einsum, x, [("btd,df->btf", w_gate), ("btd,df->btf", w_up)])
+    gate, up = adapt(gate, "w_gate", x), adapt(up, "w_up", x)
     hidden = jax.nn.silu(gate) * up
     return adapt(einsum("btf,fd->btd", hidden, w_down), "w_down", hidden)

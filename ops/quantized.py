@@ -37,6 +37,14 @@ def einsum(spec: str, x: jax.Array, w, **options) -> jax.Array:
     return jnp.einsum(spec, x, w, **options)
 
 
+def einsums(einsum, x: jax.Array, products) -> list[jax.Array]:
+    """[einsum(spec, x, w) for spec, w in products]: several products of one input (a layer's q, k and v, its gate
+    and up), as one call where `einsum` has a form that takes them together (`einsum.of_one_input`:
+    `ops.matvec.einsum`'s, whose kernel reads the input once and hands all of them to the threads at once)."""
+    together = getattr(einsum, "of_one_input", None)
+    return together(x, products) if together else [einsum(spec, x, w) for spec, w in products]
+
+
 def input_block(weight: qwix.QArray, contracted: tuple[int, ...]) -> int | None:
     """How many contiguous inputs share each of a quantized weight's scales, or None when its scales are not laid
     out so (outputs sharing a scale, or blocks that are not contiguous in the flattened input)."""

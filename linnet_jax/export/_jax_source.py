@@ -61,6 +61,10 @@ class quantized:
     einsum = staticmethod(jnp.einsum)
 
     @staticmethod
+    def einsums(einsum, x: jax.Array, products) -> list[jax.Array]:
+        return [einsum(spec, x, w) for spec, w in products]
+
+    @staticmethod
     def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
         return jnp.take(table, ids, axis=0)
 '''
