@@ -760,38 +760,61 @@ void DigitProducts(ffi::ThreadPool& pool, const Digits& x, int64_t rows, int64_t
 }
 #endif
 
-// out[0:n] = the sum over the k input rows of accumulate(partial, r0, r1): the rows cut into up to kInputParts parts
-// (whole groups of kBatchWeightRows) by k alone, each accumulated into its own partial by whichever thread claims it
-// (part 0 into out), the partials then added in order (each thread a range of the outputs). So a product's sums do
-// not depend on how many threads the pool has (a one-core Ray replica gives what a two-core process gives).
+// For each product p of one input (outs[p]: its n outputs), out = the sum over the k input rows of
+// accumulate(p, partial, r0, r1): the rows cut into up to kInputParts parts (whole groups of kBatchWeightRows) by k
+// alone, each accumulated into its own partial by whichever thread claims it (part 0 into out), every product's parts
+// handed to the threads together, the partials then added in order (each thread a range of all the outputs). So a
+// product's sums depend neither on how many threads the pool has (a one-core Ray replica gives what a two-core
+// process gives) nor on the other products.
 constexpr int64_t kInputParts = 8;
 
+struct Outputs {
+  int64_t n;
+  float* out;
+};
+
 template <typename Accumulate>
-void SplitInputs(ffi::ThreadPool& pool, int64_t k, int64_t n, float* out, const Accumulate& accumulate) {
+void SplitInputs(ffi::ThreadPool& pool, int64_t k, const std::vector<Outputs>& outs, const Accumulate& accumulate) {
   const int64_t most = std::max<int64_t>(1, std::min(kInputParts, k / kMinRowsPerPart));
   const int64_t step = ((k + most - 1) / most + kBatchWeightRows - 1) / kBatchWeightRows * kBatchWeightRows;
-  const int64_t parts = (k + step - 1) / step;
+  const int64_t parts = (k + step - 1) / step, products = outs.size();
+  std::vector<int64_t> first = {0};  // each product's first output among all of them
+  for (const Outputs& product : outs) first.push_back(first.back() + product.n);
   thread_local std::vector<float> scratch;  // the caller's: parts 1.. accumulate here, then into out
-  scratch.resize((parts - 1) * n);
-  float* partials = scratch.data();
-  RunParts(pool, parts, [&](int64_t i) {
-    accumulate(i == 0 ? out : partials + (i - 1) * n, i * step, std::min(k, (i + 1) * step));
+  scratch.resize((parts - 1) * first.back());
+  float* partials = scratch.data();  // (the other threads' `scratch` is their own)
+  const auto partial = [&](int64_t p, int64_t i) { return partials + (parts - 1) * first[p] + (i - 1) * outs[p].n; };
+  RunParts(pool, parts * products, [&](int64_t unit) {
+    const int64_t p = unit / parts, i = unit % parts;
+    accumulate(p, i == 0 ? outs[p].out : partial(p, i), i * step, std::min(k, (i + 1) * step));
   });
   if (parts == 1) return;
-  SplitOutputs(pool, n, [&](int64_t j0, int64_t j1) {  // each thread adds the partials into its columns, in order
-    for (int64_t i = 1; i < parts; ++i) {
-      const float* partial = partials + (i - 1) * n;
-      for (int64_t j = j0; j < j1; ++j) out[j] += partial[j];
+  SplitOutputs(pool, first.back(), [&](int64_t j0, int64_t j1) {  // each thread adds the partials into its outputs
+    for (int64_t p = 0; p < products; ++p) {
+      const int64_t a = std::max(j0, first[p]) - first[p], b = std::min(j1, first[p + 1]) - first[p];
+      for (int64_t i = 1; i < parts; ++i)
+        for (int64_t j = a; j < b; ++j) outs[p].out[j] += partial(p, i)[j];
     }
   });
 }
 
-// The float32 products take x [T, K] and give y [T, N] through the batch loops, which read each weight once for all
-// the rows and sum each row in the same order whatever T is (a request's tokens do not depend on its batch).
-ffi::Error Xw(ffi::ThreadPool pool, Matrix x, Matrix w, MatrixResult y) {
-  const int64_t rows = x.dimensions()[0], k = w.dimensions()[0], n = w.dimensions()[1];
-  SplitInputs(pool, k, rows * n, y->typed_data(), [&](float* out, int64_t r0, int64_t r1) {
-    AccumulateBatch(x.typed_data(), k, rows, w.typed_data(), out, n, r0, r1);
+// The float32 products of one x [T, K] with several weights (a layer's q, k and v, or its gate and up) in one call:
+// args x, then each w [K, N]; results each y [T, N]. The batch loops read each weight once for all the rows and sum
+// each row in the same order whatever T is (a request's tokens do not depend on its batch) or the other products.
+ffi::Error Xw(ffi::ThreadPool pool, Matrix x, ffi::RemainingArgs weights, ffi::RemainingRets results) {
+  const int64_t rows = x.dimensions()[0], k = x.dimensions()[1];
+  if (weights.size() != results.size()) return ffi::Error::InvalidArgument("linnet_xw takes x, then a weight per result");
+  std::vector<const float*> ws;
+  std::vector<Outputs> outs;
+  for (size_t i = 0; i < results.size(); ++i) {
+    const auto w = weights.get<Matrix>(i);
+    auto y = results.get<Matrix>(i);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("linnet_xw: float32 [K, N] weights");
+    ws.push_back(w->typed_data());
+    outs.push_back({rows * w->dimensions()[1], (*y)->typed_data()});
+  }
+  SplitInputs(pool, k, outs, [&](int64_t p, float* out, int64_t r0, int64_t r1) {
+    AccumulateBatch(x.typed_data(), k, rows, ws[p], out, outs[p].n / rows, r0, r1);
   });
   return ffi::Error::Success();
 }
@@ -833,10 +856,12 @@ ffi::Error XwInt8(ffi::ThreadPool pool, Matrix x, ffi::RemainingArgs weights, ff
     return ffi::Error::Success();
   }
 #endif
-  for (const Int8Product& product : products)
-    SplitInputs(pool, k, rows * product.n, product.y, [&](float* out, int64_t r0, int64_t r1) {
-      AccumulateInt8(x.typed_data(), k, rows, product.q, product.s, out, product.n, product.block, r0, r1);
-    });
+  std::vector<Outputs> outs;
+  for (const Int8Product& product : products) outs.push_back({rows * product.n, product.y});
+  SplitInputs(pool, k, outs, [&](int64_t p, float* out, int64_t r0, int64_t r1) {
+    const Int8Product& product = products[p];
+    AccumulateInt8(x.typed_data(), k, rows, product.q, product.s, out, product.n, product.block, r0, r1);
+  });
   return ffi::Error::Success();
 }
 
@@ -883,7 +908,7 @@ ffi::Error Abt(ffi::ThreadPool pool, Cube a, Cube b, Int32Vector slots, CubeResu
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LinnetXw, Xw,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix>().Arg<Matrix>().Ret<Matrix>());
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix>().RemainingArgs().RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LinnetWx, Wx,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix>().Arg<Matrix>().Ret<Matrix>());

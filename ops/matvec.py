@@ -154,8 +154,9 @@ def kernel_product(spec: str, x: jax.Array, w) -> KernelProduct | None:
 
 
 def run_kernel(products: list[KernelProduct]) -> list[jax.Array]:
-    """The products' results, through one kernel call: one product, or several int8 ones of the same x · w (the
-    projections of one input), which the kernel runs together (x's digits made once, one hand-over to the threads)."""
+    """The products' results, through one kernel call: one product, or several x · w ones of the same x and kind of
+    weight (the projections of one input), which the kernel hands to the threads together (int8: x's digits made
+    once)."""
     register()
     first = products[0]
     count = first.rows.shape[0]
@@ -173,10 +174,12 @@ def einsum(spec: str, x: jax.Array, w, **options) -> jax.Array:
 
 
 def einsums_of_one_input(x: jax.Array, products: list[tuple[str, object]]) -> list[jax.Array]:
-    """[einsum(spec, x, w) for spec, w in products], the int8 x · w ones through one kernel call when they all are
-    (`ops.quantized.einsums`: a layer's q, k and v, its gate and up): three hand-overs fewer a layer."""
+    """[einsum(spec, x, w) for spec, w in products], through one kernel call when a kernel takes them all as x · w
+    with weights of one kind, float32 or int8 (`ops.quantized.einsums`: a layer's q, k and v, its gate and up):
+    three calls fewer a layer."""
     kernels = [kernel_product(spec, x, w) for spec, w in products]
-    if len(kernels) > 1 and all(product is not None and product.target == "linnet_xw_int8" for product in kernels):
+    if len(kernels) > 1 and all(product is not None and product.target.startswith("linnet_xw")
+                                and product.target == kernels[0].target for product in kernels):
         return run_kernel(kernels)
     return [einsum(spec, x, w) for spec, w in products]
 

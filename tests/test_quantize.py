@@ -75,19 +75,22 @@ def test_an_int8_products_row_is_the_same_alone_or_among_others(spec, shape, con
         np.testing.assert_array_equal(np.asarray(product(x[row:row + 1], q))[0], together[row])
 
 
+@pytest.mark.parametrize("quantize", [False, True], ids=["float32", "int8"])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_a_layers_int8_projections_of_one_input_run_as_one_kernel_call(rows, int8_kernels):
-    """q, k and v (and gate and up) of one input go through one kernel call, each result the same bit for bit as
-    its own call's."""
-    weights = [quantize_weight(jax.random.normal(jax.random.key(i), shape), (0,), None)
-               for i, shape in enumerate([(576, 9, 64), (576, 3, 64), (576, 3, 64)])]
+def test_a_layers_projections_of_one_input_run_as_one_kernel_call(rows, quantize, int8_kernels):
+    """q, k and v (and gate and up) of one input go through one kernel call, float32 or int8, each result the same
+    bit for bit as its own call's."""
+    weights = [jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate([(576, 9, 64), (576, 3, 64),
+                                                                                       (576, 3, 64)])]
+    weights = [quantize_weight(w, (0,), None) for w in weights] if quantize else weights
     products = list(zip(["btd,dhk->bthk", "btd,dgk->btgk", "btd,dgk->btgk"], weights))
     x = jax.random.normal(jax.random.key(9), (rows, 1, 576))
     together = jax.jit(lambda x, ws: quantized.einsums(matvec.einsum, x, list(zip([p[0] for p in products], ws))))
     alone = jax.jit(lambda x, w, spec: matvec.einsum(spec, x, w), static_argnums=2)
     for (spec, w), y in zip(products, together(x, weights)):
         np.testing.assert_array_equal(np.asarray(y), np.asarray(alone(x, w, spec)))
-    assert together.lower(x, weights).as_text().count("linnet_xw_int8") == (1 if matvec.available() else 0)
+    target = "@linnet_xw_int8(" if quantize else "@linnet_xw("
+    assert together.lower(x, weights).as_text().count(target) == (1 if matvec.available() else 0)
 
 
 @pytest.mark.parametrize("outlier", [1.0, 1e4])
