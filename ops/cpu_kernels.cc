@@ -7,18 +7,20 @@
 // int8 weights; AVX2 + FMA on x86-64 (setup.py), and AVX-512's registers for the few-row loops where the CPU has
 // them (`HasAvx512`).
 //
-//   linnet_xw: y[T, N] = x[T, K] · w[K, N]   (projections stored input-first)
+//   linnet_xw: y[T, N] = x[T, K] · w[K, N]   (projections stored input-first; one x with any number of w, each its y)
 //   linnet_wx: y[T, N] = x[T, K] · w[N, K]ᵀ  (the lm head, stored [vocab, embed])
 //   linnet_xw_int8: y[T, N] = x[T, K] · (q[K, N] scaled by s[K / G, N])   (weight-only int8: each output's inputs
-//   linnet_wx_int8: y[T, N] = x[T, K] · (q[N, K] scaled by s[N, K / G])ᵀ  in blocks of G, one scale a block; a few
-//                                                                         rows T share each weight's widening)
+//   linnet_wx_int8: y[T, N] = x[T, K] · (q[N, K] scaled by s[N, K / G])ᵀ  in blocks of G, one scale a block; x by
+//                                                                         int8 digits where the CPU has VNNI, else
+//                                                                         each weight widened once for the rows T;
+//                                                                         xw: any number of (q, s), each its y)
 //   linnet_abt: y[N, I, J] = a[N, I, C] · b[N, J, C]ᵀ per n   (attention's scores and mixing for a few query rows,
 //                                                             over each row's filled slots only: each key or value
 //                                                             read once for all of them)
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -557,7 +559,7 @@ LINNET_VNNI inline void AddDigits(const __m512i (&interleaved)[4], const int8_t*
   }
 }
 
-// y[0:64] += scale[0:64] * each column's DigitSums (sums as AddDigitPanel leaves them; columns past `count` untouched).
+// y[0:64] += scale[0:64] * each column's DigitSums (sums as AddDigits leaves them; columns past `count` untouched).
 LINNET_VNNI inline void AddDigitPanelSums(const __m512i (&sums)[4][kDigits], int64_t x_sum, double unit,
                                           const float* scale, float* y, int64_t count) {
   __m512 v[4];
@@ -583,7 +585,7 @@ LINNET_VNNI inline void AddDigitPanelSums(const __m512i (&sums)[4][kDigits], int
 // kept in L1 until the segment's end; the rows read from memory for the first row of x, from L1 for the others.
 LINNET_VNNI void AccumulateInt8Digits(const Digits& x, int64_t rows, const int8_t* q, const float* s, float* y,
                                       int64_t n, int64_t k, int64_t block, int64_t j0, int64_t j1) {
-  constexpr int64_t kPanelInts = 4 * kDigits * 16;  // a panel's sums, as AddDigitPanel keeps them
+  constexpr int64_t kPanelInts = 4 * kDigits * 16;  // a panel's sums, as AddDigits keeps them
   const int64_t panels = (j1 - j0 + 63) / 64;
   thread_local std::vector<int32_t> kept;  // [rows, panels, kPanelInts]
   kept.resize(rows * panels * kPanelInts);
@@ -827,8 +829,6 @@ ffi::Error Wx(ffi::ThreadPool pool, Matrix x, Matrix w, MatrixResult y) {
   return ffi::Error::Success();
 }
 
-// The int8 products take x [T, K] and give y [T, N]: one row straight from the int8 weights, several from each
-// weight widened once for all the rows; a row's sums are the same either way.
 // The int8 products of one x [T, K] with several weights (a layer's q, k and v, or its gate and up) in one call:
 // args x, then each weight's q [K, N] and s [K / G, N]; results each y [T, N]. By digits where the CPU has VNNI
 // (x's digits made once, every product's columns split across the threads together), else each product through the

@@ -5,7 +5,9 @@ larger ones below the bandwidth two cores reach; the kernels split every product
 calling thread and XLA's intra-op pool (benchmarks/RESULTS.md). `einsum` takes what `jnp.einsum` takes
 and sends a product of a few rows of float32 activations (a decode or verify step's) to a kernel, with float32
 weights or int8 ones and float32 scales in blocks of contiguous inputs (read as int8, a quarter of the bytes),
-each weight read (and dequantized) once for all the rows; anything else goes to `ops.quantized.einsum`.
+each weight read (and dequantized) once for all the rows; anything else goes to `ops.quantized.einsum`. int8
+weights multiply int8 digits of the activations where the CPU has VNNI (`int8_digits`), and several x · w products of
+one input go through one call (`einsums_of_one_input`, which `ops.quantized.einsums` finds as `einsum.of_one_input`).
 `batched` runs attention's products over the cache for a few query rows.
 The hardware plan chooses it (`linnet_jax.backend.Plan.einsum`, on one XLA:CPU device where
 `available()`); exports and other platforms never see a kernel.
@@ -178,10 +180,11 @@ def einsums_of_one_input(x: jax.Array, products: list[tuple[str, object]]) -> li
     with weights of one kind, float32 or int8 (`ops.quantized.einsums`: a layer's q, k and v, its gate and up):
     three calls fewer a layer."""
     kernels = [kernel_product(spec, x, w) for spec, w in products]
-    if len(kernels) > 1 and all(product is not None and product.target.startswith("linnet_xw")
-                                and product.target == kernels[0].target for product in kernels):
+    if all(kernel is not None and kernel.target.startswith("linnet_xw") and kernel.target == kernels[0].target
+           for kernel in kernels):
         return run_kernel(kernels)
-    return [einsum(spec, x, w) for spec, w in products]
+    return [quantized_einsum(spec, x, w) if kernel is None else run_kernel([kernel])[0]
+            for (spec, w), kernel in zip(products, kernels)]
 
 
 einsum.of_one_input = einsums_of_one_input
