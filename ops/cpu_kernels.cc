@@ -670,16 +670,74 @@ LINNET_VNNI inline void DotDigitGroup(const int8_t* q, int64_t count, int64_t k,
   std::memcpy(y, totals, count * sizeof(float));
 }
 
+// Q8_0's blocks of 32 inputs: a 64-input chunk holds two, whose sums vpdpbusd leaves in lanes 0-7 and 8-15.
+constexpr int64_t kPairBlock = 32;
+
+// What each lane of a chunk's digit sums holds beyond Σ q X (u = q + 128): 128 times the lane's four digits, for
+// every row of x and 64-input chunk (k a multiple of 64) two vectors of 16 lanes, [rows, k / 64, 2, 16]: the low
+// digits' (d0 + 256 d1) and the high one's (d2).
+LINNET_VNNI void DigitOffsets(const Digits& x, int64_t rows, int64_t k, std::vector<int32_t>& offsets) {
+  const __m512i half = _mm512_set1_epi8(-128), zero = _mm512_setzero_si512();  // 128 as unsigned bytes
+  offsets.resize(rows * (k / 64) * 32);
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t c = 0; c < k; c += 64) {
+      __m512i sums[kDigits];
+      for (int d = 0; d < kDigits; ++d) sums[d] = _mm512_dpbusd_epi32(zero, half, _mm512_loadu_si512(x.Row(t, d) + c));
+      int32_t* out = offsets.data() + (t * (k / 64) + c / 64) * 32;
+      _mm512_storeu_si512(out, _mm512_add_epi32(sums[0], _mm512_slli_epi32(sums[1], 8)));
+      _mm512_storeu_si512(out + 16, sums[2]);
+    }
+}
+
+// DotDigitGroup for blocks of kPairBlock (k a multiple of 64): each chunk's digit sums, less their offsets, are exact
+// 32-bit lanes (|low| < 2^25, |high| < 2^16), made one float lane (the high one times 2^16 exactly, one rounding),
+// scaled by its block's scale and added in the row's 16 float lanes, summed at the row's end: the float rounding
+// of a float32 dot product, in one order whatever the rows or threads.
+LINNET_VNNI inline void DotDigitPairGroup(const int8_t* q, int64_t count, int64_t k, const float* s, const Digits& x,
+                                          int64_t t, const int32_t* offsets, float* y) {
+  const __m512i flip = _mm512_set1_epi8(-128), zero = _mm512_setzero_si512();
+  const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);  // lane -> its block
+  const int64_t blocks = k / kPairBlock;
+  __m512 totals[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t c = 0; c < k; c += 64) {
+    __m512i digit[kDigits];
+    for (int d = 0; d < kDigits; ++d) digit[d] = _mm512_loadu_si512(x.Row(t, d) + c);
+    const __m512i low_offset = _mm512_loadu_si512(offsets + c / 2), high_offset = _mm512_loadu_si512(offsets + c / 2 + 16);
+    for (int64_t i = 0; i < count; ++i) {
+      const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(q + i * k + c), flip);
+      __m512i sums[kDigits];
+      for (int d = 0; d < kDigits; ++d) sums[d] = _mm512_dpbusd_epi32(zero, u, digit[d]);
+      const __m512i low = _mm512_sub_epi32(_mm512_add_epi32(sums[0], _mm512_slli_epi32(sums[1], 8)), low_offset);
+      const __m512i high = _mm512_sub_epi32(sums[2], high_offset);
+      const __m512 lanes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), _mm512_set1_ps(65536.0f), _mm512_cvtepi32_ps(low));
+      double scales;  // the chunk's two blocks' scales, side by side
+      std::memcpy(&scales, s + i * blocks + c / kPairBlock, sizeof(scales));
+      totals[i] = _mm512_fmadd_ps(lanes, _mm512_permutexvar_ps(pair, _mm512_castpd_ps(_mm512_set1_pd(scales))), totals[i]);
+    }
+  }
+  for (int64_t i = 0; i < count; ++i)
+    y[i] = static_cast<float>(static_cast<double>(_mm512_reduce_add_ps(totals[i])) * x.unit[t]);
+}
+
 // y[t, r] = (q[r, 0:k] scaled, s [n, k / block]) · x[t, 0:k] for r in r0..r1 and t < rows (y [rows, n]): four rows
 // of q at a time, read from memory for the first row of x (the group kGroupsAhead on prefetched) and from the caches
-// for the others.
+// for the others. Blocks of kPairBlock (with k a multiple of 64) go through DotDigitPairGroup.
 LINNET_VNNI void DotInt8Digits(const Digits& x, int64_t rows, const int8_t* q, const float* s, float* y, int64_t n,
                                int64_t k, int64_t block, int64_t r0, int64_t r1) {
+  const bool pairs = block == kPairBlock && block != k;
+  thread_local std::vector<int32_t> offsets;
+  if (pairs) DigitOffsets(x, rows, k, offsets);
   for (int64_t r = r0; r < r1; r += 4) {
     if (r + 4 * (kGroupsAhead + 1) <= r1)
       for (int64_t p = 0; p < 4 * k; p += 64) __builtin_prefetch(q + (r + 4 * kGroupsAhead) * k + p);
-    for (int64_t t = 0; t < rows; ++t)
-      DotDigitGroup(q + r * k, std::min<int64_t>(4, r1 - r), k, s + r * (k / block), block, x, t, y + t * n + r);
+    const int64_t count = std::min<int64_t>(4, r1 - r);
+    for (int64_t t = 0; t < rows; ++t) {
+      if (pairs)
+        DotDigitPairGroup(q + r * k, count, k, s + r * (k / block), x, t, offsets.data() + t * (k / 64) * 32,
+                          y + t * n + r);
+      else
+        DotDigitGroup(q + r * k, count, k, s + r * (k / block), block, x, t, y + t * n + r);
+    }
   }
 }
 #endif
@@ -868,7 +926,7 @@ ffi::Error XwInt8(ffi::ThreadPool pool, Matrix x, ffi::RemainingArgs weights, ff
 ffi::Error WxInt8(ffi::ThreadPool pool, Matrix x, Int8Matrix q, Matrix s, MatrixResult y, bool digits) {
   const int64_t rows = x.dimensions()[0], n = q.dimensions()[0], k = q.dimensions()[1], block = k / s.dimensions()[1];
 #ifdef LINNET_AVX2
-  if (digits && HasVnni() && k % 16 == 0 && (block % 64 == 0 || block == k)) {
+  if (digits && HasVnni() && k % 16 == 0 && (block % 64 == 0 || block == k || (block == kPairBlock && k % 64 == 0))) {
     const Digits& xd = ToDigits(x.typed_data(), rows, k);
     SplitOutputs(pool, n, [&](int64_t r0, int64_t r1) {
       DotInt8Digits(xd, rows, q.typed_data(), s.typed_data(), y->typed_data(), n, k, block, r0, r1);

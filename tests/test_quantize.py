@@ -94,14 +94,16 @@ def test_a_layers_projections_of_one_input_run_as_one_kernel_call(rows, quantize
 
 
 @pytest.mark.parametrize("outlier", [1.0, 1e4])
+@pytest.mark.parametrize("block", [None, 32])
 @pytest.mark.parametrize("spec, shape, contracted", [PRODUCTS[2], PRODUCTS[3], PRODUCTS[4]])
-def test_int8_digits_round_only_the_activations(spec, shape, contracted, outlier, monkeypatch):
+def test_int8_digits_round_only_the_activations(spec, shape, contracted, block, outlier, monkeypatch):
     """The digit products round each activation to 2^-23 of the power of two above the row's largest and nothing
     else before the float result: each output is within (2^-22 max |x|) Σ|w| + its own float rounding of the exact
     product, and within 8× float32's own error (numpy's product of the same float32 operands), even where one
-    input is 10^4 times the others."""
+    input is 10^4 times the others; per output channel, and in Q8_0's blocks of 32 (the head's two blocks a 64-input
+    chunk, scaled lane by lane)."""
     monkeypatch.setattr(matvec, "int8_digits", lambda: True)
-    q = quantize_weight(jax.random.normal(jax.random.key(0), shape), contracted, None)
+    q = quantize_weight(jax.random.normal(jax.random.key(0), shape), contracted, block)
     x = np.array(jax.random.normal(jax.random.key(1), (1, 1, shape[contracted[0]])))
     x[..., 7] = 10 * outlier
     weight = np.asarray(qwix.dequantize(q), np.float64)
