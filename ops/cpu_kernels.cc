@@ -61,6 +61,11 @@ inline float Dot(const float* row, const float* x, int64_t k) {
 #define LINNET_AVX2 1
 #endif
 
+// Brings the cache line at p into L2 ahead of its use (the hardware's L1 prefetchers take it on from there). Into L2
+// rather than L1: the kernels prefetch a group of weight rows at a time, more lines than L1 can have in flight, and on
+// an AMD Zen 4 machine (benchmarks/RESULTS.md) the lm head then streamed 25% faster, float32 and int8.
+inline void PrefetchToL2(const void* p) { __builtin_prefetch(p, 0, 2); }
+
 // Eight (V8, AVX2's registers) or sixteen (V16, AVX-512's) float lanes as GCC's vector extensions, loaded and stored
 // at any alignment.
 #pragma GCC diagnostic ignored "-Wpsabi"  // V16 passed between always-inlined helpers only: no call ever uses the ABI
@@ -158,7 +163,7 @@ __attribute__((always_inline)) inline int64_t DotGroups(const float* a, int64_t 
   int64_t j = j0;
   for (; j + 4 <= j1; j += 4) {
     if (j + 8 <= j1)  // the next group's rows, on their way while this one is summed
-      for (int64_t p = 0; p < 4 * c; p += 16) __builtin_prefetch(b + (j + 4) * c + p);
+      for (int64_t p = 0; p < 4 * c; p += 16) PrefetchToL2(b + (j + 4) * c + p);
     int64_t i = 0;
     for (; i + kRows <= rows; i += kRows) DotGroup<V, kRows>(a + i * c, c, b + j * c, depth, y + i * stride + j, stride);
     for (; i < rows; ++i) DotGroup<V, 1>(a + i * c, c, b + j * c, depth, y + i * stride + j, stride);
@@ -324,7 +329,7 @@ __attribute__((always_inline)) inline int64_t AddScaledPanels(const float* x, in
   const int8_t* group = q + r * n;
   for (int64_t j = 0; j < vector_n; j += kWidth) {
     for (int64_t i = m; i < m + ahead; ++i)
-      for (int64_t p = 0; p < kWidth; p += 64) __builtin_prefetch(group + i * n + j + p);
+      for (int64_t p = 0; p < kWidth; p += 64) PrefetchToL2(group + i * n + j + p);
     if (rows == 1) {
       AddScaledPanel<V>(x + r, group + j, n, m, scale + j, y + j);
       continue;
@@ -406,7 +411,7 @@ __attribute__((always_inline)) inline int64_t DotScaledRows(const float* x, int6
   for (; r + 4 <= r1; r += 4) {
     const int8_t* group = q + r * k;
     if (r + 4 * (kGroupsAhead + 1) <= r1)
-      for (int64_t p = 0; p < 4 * k; p += 64) __builtin_prefetch(group + kGroupsAhead * 4 * k + p);
+      for (int64_t p = 0; p < 4 * k; p += 64) PrefetchToL2(group + kGroupsAhead * 4 * k + p);
     if (rows == 1) {
       DotScaledGroup<V>(group, k, s + r * blocks, blocks, x, k, block, y + r);
       continue;
@@ -600,7 +605,7 @@ LINNET_VNNI void AccumulateInt8Digits(const Digits& x, int64_t rows, const int8_
         const __mmask64 columns = count == 64 ? ~__mmask64{0} : (__mmask64{1} << count) - 1;
         __m512i staged[kDigitRows / 4][4];  // the group's rows, read and interleaved once for all the rows of x
         for (int64_t i = r; i < end; i += 4) {
-          for (int64_t p = 0; p < 4; ++p) __builtin_prefetch(q + (i + kDigitRows + p) * n + j);  // the next group's
+          for (int64_t p = 0; p < 4; ++p) PrefetchToL2(q + (i + kDigitRows + p) * n + j);  // the next group's
           Interleave(q + i * n + j, n, columns, staged[(i - r) / 4]);
         }
         for (int64_t t = 0; t < rows; ++t) {
@@ -729,7 +734,7 @@ LINNET_VNNI void DotInt8Digits(const Digits& x, int64_t rows, const int8_t* q, c
   if (pairs) DigitOffsets(x, rows, k, offsets);
   for (int64_t r = r0; r < r1; r += 4) {
     if (r + 4 * (kGroupsAhead + 1) <= r1)
-      for (int64_t p = 0; p < 4 * k; p += 64) __builtin_prefetch(q + (r + 4 * kGroupsAhead) * k + p);
+      for (int64_t p = 0; p < 4 * k; p += 64) PrefetchToL2(q + (r + 4 * kGroupsAhead) * k + p);
     const int64_t count = std::min<int64_t>(4, r1 - r);
     for (int64_t t = 0; t < rows; ++t) {
       if (pairs)
