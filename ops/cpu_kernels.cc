@@ -592,12 +592,11 @@ LINNET_VNNI void AccumulateInt8Digits(const Digits& x, int64_t rows, const int8_
                                       int64_t n, int64_t k, int64_t block, int64_t j0, int64_t j1) {
   constexpr int64_t kPanelInts = 4 * kDigits * 16;  // a panel's sums, as AddDigits keeps them
   const int64_t panels = (j1 - j0 + 63) / 64;
-  thread_local std::vector<int32_t> kept;  // [rows, panels, kPanelInts]
+  thread_local std::vector<int32_t> kept;  // [rows, panels, kPanelInts]: a segment's sums between its passes
   kept.resize(rows * panels * kPanelInts);
   for (int64_t t = 0; t < rows; ++t) std::fill(y + t * n + j0, y + t * n + j1, 0.0f);
   for (int64_t a = 0, b; a < k; a = b) {
     b = std::min({k, (a / block + 1) * block, a + kMostSummedRows});
-    std::fill(kept.begin(), kept.end(), 0);
     for (int64_t r = a; r < b; r += kDigitRows) {
       const int64_t end = std::min(b, r + kDigitRows);
       for (int64_t j = j0; j < j1; j += 64) {
@@ -612,20 +611,16 @@ LINNET_VNNI void AccumulateInt8Digits(const Digits& x, int64_t rows, const int8_
           const int8_t* digits[kDigits];
           for (int d = 0; d < kDigits; ++d) digits[d] = x.Row(t, d);
           int32_t* panel = kept.data() + (t * panels + (j - j0) / 64) * kPanelInts;
-          __m512i sums[4][kDigits];
-          std::memcpy(sums, panel, sizeof(sums));
+          __m512i sums[4][kDigits] = {};
+          if (r > a) std::memcpy(sums, panel, sizeof(sums));
           for (int64_t i = r; i < end; i += 4) AddDigits(staged[(i - r) / 4], digits, i, sums);
-          std::memcpy(panel, sums, sizeof(sums));
+          if (end < b)
+            std::memcpy(panel, sums, sizeof(sums));
+          else  // the segment's last pass: its sums scaled into y (a block of at most kDigitRows: never kept)
+            AddDigitPanelSums(sums, x.Sum(t, a, b), x.unit[t], s + (a / block) * n + j, y + t * n + j, count);
         }
       }
     }
-    for (int64_t j = j0; j < j1; j += 64)
-      for (int64_t t = 0; t < rows; ++t) {
-        __m512i sums[4][kDigits];
-        std::memcpy(sums, kept.data() + (t * panels + (j - j0) / 64) * kPanelInts, sizeof(sums));
-        AddDigitPanelSums(sums, x.Sum(t, a, b), x.unit[t], s + (a / block) * n + j, y + t * n + j,
-                          std::min<int64_t>(64, j1 - j));
-      }
   }
 }
 
