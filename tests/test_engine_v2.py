@@ -116,6 +116,22 @@ def test_prefix_cache_hostile_cases(model):
     assert_same(results, [alone(model, r) for r in many])
 
 
+def test_a_burst_sharing_a_prefix_computes_it_once(model):
+    """Eight prompts that start with the same three blocks arrive together (a system prompt at a busy moment): the
+    first computes the blocks, the other seven wait for them to be stored and copy them, so the cache counts 7 × 48
+    hit tokens; each result is generate's alone."""
+    rng = np.random.default_rng(11)
+    shared = rng.integers(3, 256, 48).tolist()
+    requests = [dict(tokens=shared + rng.integers(3, 256, 1 + i).tolist(), max_tokens=4, ignore_eos=True,
+                     **(dict(temperature=0.8, seed=i) if i % 2 else {})) for i in range(8)]
+    with Engine(model, slots=8, max_len=128, prefix_block=16) as engine:
+        engine.warmup()
+        with engine._wake:  # the engine admits them together: none is looked up before all are queued
+            handles = [engine.submit(**request) for request in requests]
+        assert_same([h.result(timeout=300) for h in handles], [alone(model, r) for r in requests])
+        assert engine.stats()["prefix_cache_hit_tokens"] == 7 * 48
+
+
 def test_a_long_prompt_holds_the_decoding_slots_one_chunk_at_a_time(model, monkeypatch):
     """7 slots decode while a prompt of 120 ids arrives: it is prefilled in chunks of 16, and between two of its
     chunks every decoding slot gets its next token (one decode dispatch of one step, not steps_per_dispatch: the

@@ -118,6 +118,7 @@ class Work:
     prefilled: int = 0  # prompt tokens in the slot's cache
     adapter: int = 0  # its entry in the adapter table (0: the base model)
     prefix_key: bytes = b""  # its adapter's prefix-cache key (`AdapterTable.keys`)
+    restored: int | None = None  # prompt tokens copied from the prefix cache (None: not looked up yet)
 
     @property
     def decoding(self) -> bool:
@@ -585,7 +586,7 @@ class Engine:
                 self._vacate(slot, "cancelled")
 
     def _admit(self) -> None:
-        """Give queued requests the free slots, with their prompts' cached prefix blocks copied in."""
+        """Give queued requests the free slots."""
         while True:
             slot = next((s for s, owner in enumerate(self.owners) if owner is None), None)
             with self._wake:
@@ -593,8 +594,24 @@ class Engine:
                     return
                 work = self.queue.popleft()
                 self.owners[slot] = work
-            if self.prefixes:
-                work.prefilled = self._run("restore", slot, work.prompt, work.prefix_key)
+
+    def _leading_block(self, work: Work) -> tuple | None:
+        """The prompt's first prefix-cache block with its adapter's key, where the prompt could reuse it."""
+        block = self.prefixes.block
+        return (work.prefix_key, *work.prompt[:block]) if len(work.prompt) > block else None
+
+    def _ready(self, slot: int, work: Work, waiting: list[tuple[int, Work]]) -> bool:
+        """Whether the waiting prompt can prefill now, with its cached prefix blocks copied in the first time. One
+        that starts with the block another prompt is computing (a burst sharing a system prompt) waits for it to be
+        stored, then copies it instead of computing it again."""
+        if work.restored is not None or not self.prefixes:
+            return True
+        leading = self._leading_block(work)
+        if leading is not None and any(other.restored == 0 and self._leading_block(other) == leading
+                                       for _, other in waiting):
+            return False
+        work.restored = work.prefilled = self._run("restore", slot, work.prompt, work.prefix_key)
+        return True
 
     def _prefill(self) -> None:
         """The next chunk of the oldest waiting prompts, in one dispatch of at most prefill_batch rows and
@@ -602,7 +619,7 @@ class Engine:
         waiting = [(slot, work) for slot, work in enumerate(self.owners) if work is not None and not work.decoding]
         waiting.sort(key=lambda item: item[1].handle.submitted)
         chosen: list[tuple[int, Work, int]] = []  # slot, work, chunk length
-        for slot, work in waiting[:self.prefill_batch]:
+        for slot, work in [item for item in waiting if self._ready(*item, waiting)][:self.prefill_batch]:
             size = min(len(work.prompt) - work.prefilled, self.prefill_chunk)
             sizes = [size, *(n for _, _, n in chosen)]
             if chosen and self._rows_for(len(sizes)) * bucket(max(sizes), self.prefill_chunk) > self.max_step_tokens:
