@@ -2,11 +2,11 @@
 
 One scheduler thread owns the decode state. Each iteration it
   - frees the slots of finished and cancelled requests,
-  - gives queued requests free slots, copying the cached blocks of their prompts' prefixes in
-    (`linnet_jax.prefix_cache`),
+  - gives queued requests free slots,
   - prefills the next chunk of up to `prefill_batch` waiting prompts in one dispatch (`extend`: at most
     `prefill_chunk` tokens of each, `max_step_tokens` in all), so that a long prompt holds the requests
-    decoding for one chunk at a time, never for its whole prefill,
+    decoding for one chunk at a time, never for its whole prefill; before its first chunk a prompt copies the
+    cached blocks of its prefix in (`linnet_jax.prefix_cache`), or waits for those another prompt is computing,
   - advances every decoding slot `steps_per_dispatch` decode steps in one device call (fewer where steps are
     slow: a dispatch lasts about DISPATCH_SECONDS, so a request arriving meanwhile waits little for its prefill),
     or one step that verifies each slot's n-gram drafts (`linnet_jax.speculative`),
