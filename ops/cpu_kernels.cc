@@ -673,11 +673,16 @@ LINNET_VNNI inline void DotDigitGroup(const int8_t* q, int64_t count, int64_t k,
 // Q8_0's blocks of 32 inputs: a 64-input chunk holds two, whose sums vpdpbusd leaves in lanes 0-7 and 8-15.
 constexpr int64_t kPairBlock = 32;
 
+// Whether a head's scales come in kPairBlock blocks that DotDigitPairGroup takes (k a multiple of 64).
+inline bool InPairs(int64_t block, int64_t k) { return block == kPairBlock && block != k && k % 64 == 0; }
+
 // What each lane of a chunk's digit sums holds beyond Σ q X (u = q + 128): 128 times the lane's four digits, for
 // every row of x and 64-input chunk (k a multiple of 64) two vectors of 16 lanes, [rows, k / 64, 2, 16]: the low
-// digits' (d0 + 256 d1) and the high one's (d2).
-LINNET_VNNI void DigitOffsets(const Digits& x, int64_t rows, int64_t k, std::vector<int32_t>& offsets) {
+// digits' (d0 + 256 d1) and the high one's (d2). The calling thread's, read by the parts it hands out before it
+// returns.
+LINNET_VNNI const std::vector<int32_t>& DigitOffsets(const Digits& x, int64_t rows, int64_t k) {
   const __m512i half = _mm512_set1_epi8(-128), zero = _mm512_setzero_si512();  // 128 as unsigned bytes
+  thread_local std::vector<int32_t> offsets;
   offsets.resize(rows * (k / 64) * 32);
   for (int64_t t = 0; t < rows; ++t)
     for (int64_t c = 0; c < k; c += 64) {
@@ -687,6 +692,7 @@ LINNET_VNNI void DigitOffsets(const Digits& x, int64_t rows, int64_t k, std::vec
       _mm512_storeu_si512(out, _mm512_add_epi32(sums[0], _mm512_slli_epi32(sums[1], 8)));
       _mm512_storeu_si512(out + 16, sums[2]);
     }
+  return offsets;
 }
 
 // DotDigitGroup for blocks of kPairBlock (k a multiple of 64): each chunk's digit sums, less their offsets, are exact
@@ -721,20 +727,16 @@ LINNET_VNNI inline void DotDigitPairGroup(const int8_t* q, int64_t count, int64_
 
 // y[t, r] = (q[r, 0:k] scaled, s [n, k / block]) · x[t, 0:k] for r in r0..r1 and t < rows (y [rows, n]): four rows
 // of q at a time, read from memory for the first row of x (the group kGroupsAhead on prefetched) and from the caches
-// for the others. Blocks of kPairBlock (with k a multiple of 64) go through DotDigitPairGroup.
-LINNET_VNNI void DotInt8Digits(const Digits& x, int64_t rows, const int8_t* q, const float* s, float* y, int64_t n,
-                               int64_t k, int64_t block, int64_t r0, int64_t r1) {
-  const bool pairs = block == kPairBlock && block != k;
-  thread_local std::vector<int32_t> offsets;
-  if (pairs) DigitOffsets(x, rows, k, offsets);
+// for the others. Blocks of kPairBlock go through DotDigitPairGroup, with x's DigitOffsets (else null).
+LINNET_VNNI void DotInt8Digits(const Digits& x, const int32_t* offsets, int64_t rows, const int8_t* q, const float* s,
+                               float* y, int64_t n, int64_t k, int64_t block, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; r += 4) {
     if (r + 4 * (kGroupsAhead + 1) <= r1)
       for (int64_t p = 0; p < 4 * k; p += 64) PrefetchToL2(q + (r + 4 * kGroupsAhead) * k + p);
     const int64_t count = std::min<int64_t>(4, r1 - r);
     for (int64_t t = 0; t < rows; ++t) {
-      if (pairs)
-        DotDigitPairGroup(q + r * k, count, k, s + r * (k / block), x, t, offsets.data() + t * (k / 64) * 32,
-                          y + t * n + r);
+      if (offsets)
+        DotDigitPairGroup(q + r * k, count, k, s + r * (k / block), x, t, offsets + t * (k / 64) * 32, y + t * n + r);
       else
         DotDigitGroup(q + r * k, count, k, s + r * (k / block), block, x, t, y + t * n + r);
     }
@@ -926,10 +928,11 @@ ffi::Error XwInt8(ffi::ThreadPool pool, Matrix x, ffi::RemainingArgs weights, ff
 ffi::Error WxInt8(ffi::ThreadPool pool, Matrix x, Int8Matrix q, Matrix s, MatrixResult y, bool digits) {
   const int64_t rows = x.dimensions()[0], n = q.dimensions()[0], k = q.dimensions()[1], block = k / s.dimensions()[1];
 #ifdef LINNET_AVX2
-  if (digits && HasVnni() && k % 16 == 0 && (block % 64 == 0 || block == k || (block == kPairBlock && k % 64 == 0))) {
+  if (digits && HasVnni() && k % 16 == 0 && (block % 64 == 0 || block == k || InPairs(block, k))) {
     const Digits& xd = ToDigits(x.typed_data(), rows, k);
+    const int32_t* offsets = InPairs(block, k) ? DigitOffsets(xd, rows, k).data() : nullptr;
     SplitOutputs(pool, n, [&](int64_t r0, int64_t r1) {
-      DotInt8Digits(xd, rows, q.typed_data(), s.typed_data(), y->typed_data(), n, k, block, r0, r1);
+      DotInt8Digits(xd, offsets, rows, q.typed_data(), s.typed_data(), y->typed_data(), n, k, block, r0, r1);
     });
     return ffi::Error::Success();
   }
