@@ -132,6 +132,23 @@ def test_a_burst_sharing_a_prefix_computes_it_once(model):
         assert engine.stats()["prefix_cache_hit_tokens"] == 7 * 48
 
 
+def test_a_prefill_dispatch_groups_chunks_that_fill_its_width(model):
+    """Eight prompts of 18-110 ids arriving together (a chunk of 128 each): the oldest waiting prompt sets each
+    dispatch's width and the others that fill it best join it, so the long ones go together at 128 columns and the
+    short ones at 32. In arrival order, four at a time, every dispatch would run 128 columns for 48% of tokens."""
+    lengths = [100, 20, 90, 30, 110, 25, 95, 18]
+    requests = [dict(tokens=[3 + (7 * i + j) % 250 for j in range(n)], max_tokens=4, ignore_eos=True)
+                for i, n in enumerate(lengths)]
+    with Engine(model, slots=8, max_len=256, prefill_chunk=128, max_step_tokens=512, prefix_cache=False) as engine:
+        engine.warmup()
+        with engine._wake:  # the engine admits them together
+            handles = [engine.submit(**request) for request in requests]
+        assert_same([h.result(timeout=300) for h in handles], [alone(model, r) for r in requests])
+        prefills = [step for step in engine.step_log if step.kind == "prefill"]
+    assert [(step.tokens, step.program_rows, step.program_width) for step in prefills] == [(395, 4, 128),
+                                                                                          (93, 4, 32)]
+
+
 def test_a_long_prompt_holds_the_decoding_slots_one_chunk_at_a_time(model, monkeypatch):
     """7 slots decode while a prompt of 120 ids arrives: it is prefilled in chunks of 16, and between two of its
     chunks every decoding slot gets its next token (one decode dispatch of one step, not steps_per_dispatch: the

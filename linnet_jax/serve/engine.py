@@ -96,14 +96,16 @@ class Piece:
 class Step:
     """One dispatch, as `Engine.step_log` records it: its kind ("prefill", "decode" or "verify"), the requests it
     carried, the tokens it fed (prompt tokens; decoding rows × steps; decoding rows + drafts), the tokens
-    it produced, and the rows its program ran over (a bucket: padding rows and the slots past a decode's last
-    running one included)."""
+    it produced, the rows its program ran over (a bucket: padding rows and the slots past a decode's last
+    running one included), and a prefill's columns (`Engine.prefill_widths`: its chunks padded to them; 0 for a
+    decode or verify)."""
 
     kind: str
     rows: int
     tokens: int
     emitted: int
     program_rows: int
+    program_width: int = 0
 
 
 @dataclasses.dataclass
@@ -454,9 +456,8 @@ class Engine:
         """Run each program once over rows that hold nothing (`warmup`)."""
         model, nothing = self.model, self.slots  # a row past the state: writes nothing
         request = sampling_options(model, 1).requests(1)
-        widest = bucket(min(self.prefill_chunk, self.max_len - 1), self.prefill_chunk)
         for rows in self.row_buckets():
-            for width in (width for width in buckets(self.prefill_chunk) if width <= widest):
+            for width in self.prefill_widths():
                 for start in (0, 1):  # a prompt's first chunk (its own slots only), and a later one
                     self._extend([nothing], [[0]], [start], [request], [False], rows, width)
         for top in (False, True):
@@ -473,6 +474,14 @@ class Engine:
     def row_buckets(self) -> list[int]:
         """The rows of a prefill dispatch: powers of two up to prefill_batch, and prefill_batch."""
         return powers_up_to(self.prefill_batch)
+
+    def prefill_widths(self) -> list[int]:
+        """The columns of a prefill dispatch: the buckets up to prefill_chunk (powers of two from MIN_BUCKET), and
+        three quarters of each from 128 (96, 192, 384, ..), which halve the padding a chunk of a bucket's lower half
+        gets; none wider than the slots hold."""
+        widest = bucket(min(self.prefill_chunk, self.max_len - 1), self.prefill_chunk)
+        powers = [width for width in buckets(self.prefill_chunk) if width <= widest]
+        return sorted(powers + [width * 3 // 4 for width in powers if width >= 128])
 
     def decode_row_buckets(self) -> list[int]:
         """The leading rows a decode dispatch runs over: powers of two up to the slots, and the slots (all of them
@@ -614,20 +623,15 @@ class Engine:
         return True
 
     def _prefill(self) -> None:
-        """The next chunk of the oldest waiting prompts, in one dispatch of at most prefill_batch rows and
-        max_step_tokens tokens; the prompts it completes get their first token."""
+        """The next chunks of the waiting prompts, in one dispatch of at most prefill_batch rows and
+        max_step_tokens tokens (`_fill`); the prompts it completes get their first token."""
         waiting = [(slot, work) for slot, work in enumerate(self.owners) if work is not None and not work.decoding]
         waiting.sort(key=lambda item: item[1].handle.submitted)
-        chosen: list[tuple[int, Work, int]] = []  # slot, work, chunk length
-        for slot, work in [item for item in waiting if self._ready(*item, waiting)][:self.prefill_batch]:
-            size = min(len(work.prompt) - work.prefilled, self.prefill_chunk)
-            sizes = [size, *(n for _, _, n in chosen)]
-            if chosen and self._rows_for(len(sizes)) * bucket(max(sizes), self.prefill_chunk) > self.max_step_tokens:
-                break
-            chosen.append((slot, work, size))
-        if not chosen:
+        ready = [item for item in waiting if self._ready(*item, waiting)]
+        if not ready:
             return
-        rows, width = self._rows_for(len(chosen)), bucket(max(n for _, _, n in chosen), self.prefill_chunk)
+        chosen, width = self._fill(ready)
+        rows = self._rows_for(len(chosen))
         self._allow()
         columns = self._run(
             "extend", [slot for slot, _, _ in chosen],
@@ -639,7 +643,7 @@ class Engine:
             work.prefilled += n
             if work.decoding:
                 done.append((slot, work))
-        self.step_log.append(Step("prefill", len(chosen), sum(n for _, _, n in chosen), len(done), rows))
+        self.step_log.append(Step("prefill", len(chosen), sum(n for _, _, n in chosen), len(done), rows, width))
         if not done:
             return
         token, logprob, top_ids, top_logprobs, finish = columns
@@ -648,6 +652,29 @@ class Engine:
                 self._run("store", slot, work.prompt, work.prefix_key)
             self._deliver(slot, [int(token[slot])], [float(logprob[slot])],
                           self._top(work, top_ids[slot][None], top_logprobs[slot][None]), int(finish[slot]))
+
+    def _chunk(self, work: Work) -> int:
+        """The prompt's next chunk: its tokens left, at most prefill_chunk."""
+        return min(len(work.prompt) - work.prefilled, self.prefill_chunk)
+
+    def _fill(self, ready: list[tuple[int, Work]]) -> tuple[list[tuple[int, Work, int]], int]:
+        """The chunks of one prefill dispatch, (slot, work, length) each, and its width. The oldest waiting prompt
+        always goes (first come, first served), its chunk setting the width; the others that fill that width best
+        join it: first those of its kind (a first chunk, whose attention reads its own slots only, or a later
+        one), the longest that fit; then longer ones, cut to the width. The dispatch keeps the leading ones that
+        give the most tokens per row, counting a row more for what any dispatch costs beside its rows (padding is
+        compute spent on nothing; a dispatch of fewer rows is not, but its decode step after it is)."""
+        (slot, head), others = ready[0], ready[1:]
+        width = next(width for width in self.prefill_widths() if width >= self._chunk(head))
+        others.sort(key=lambda item: (bool(item[1].prefilled) != bool(head.prefilled),
+                                      self._chunk(item[1]) > width, width - self._chunk(item[1])))
+        chosen = [(slot, head, self._chunk(head))]
+        for slot, work in others[:self.prefill_batch - 1]:
+            if self._rows_for(len(chosen) + 1) * width > self.max_step_tokens:
+                break
+            chosen.append((slot, work, min(self._chunk(work), width)))
+        filled = lambda count: sum(n for _, _, n in chosen[:count]) / (self._rows_for(count) + 1)  # noqa: E731
+        return chosen[:max(range(1, len(chosen) + 1), key=lambda count: (filled(count), count))], width
 
     def _rows_for(self, count: int) -> int:
         """The prefill rows bucket that holds `count` prompts."""
