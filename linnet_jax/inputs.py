@@ -47,6 +47,16 @@ def buckets(limit: int) -> list[int]:
     return sizes + [limit] * (sizes[-1] < limit)
 
 
+def prefill_widths(chunk: int, max_len: int) -> list[int]:
+    """The columns of a prefill dispatch (its chunks padded to one of them) for chunks of at most `chunk` tokens
+    into rows of max_len slots: the buckets up to the widest such a chunk needs (powers of two from MIN_BUCKET), and
+    three quarters of each from 128 (96, 192, 384, ..), which halve the padding of a chunk in a bucket's lower
+    half."""
+    widest = bucket(min(chunk, max_len - 1), chunk)
+    powers = [width for width in buckets(chunk) if width <= widest]
+    return sorted(powers + [width * 3 // 4 for width in powers if width >= 128])
+
+
 def new_slots(model: Model, batch: int, max_len: int) -> Slots:
     """An empty decode state for the model: on its device, or on its mesh (the cache by the layout's rules)."""
     args = (model.config, batch, max_len, STOP_ID_SLOTS, model.params.dtype)

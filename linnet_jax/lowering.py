@@ -2,9 +2,10 @@
 
 The programs are the ones `generate`, `serve.Engine` and a train step compile: `extend_{C}` (a prompt's
 first chunk of C tokens, reading its own C slots) and `extend_{C}_continued` (a later chunk, reading the
-row's max_len slots) for each chunk bucket C up to the engine's prefill_chunk, `choose_first` (the first
-token of the prompts a chunk ends), `decode`, `verify` (n-gram drafts), `free`, and `train_step` (AdamW, full
-fine-tuning); and, for an engine serving LoRA adapters, each extend, decode and verify again as `{name}_lora`
+row's max_len slots) for each width C of the engine's prefill dispatches (`inputs.prefill_widths` of its
+prefill_chunk), `choose_first` (the first token of the prompts a chunk ends), `decode`, `verify` (n-gram drafts),
+`free`, and `train_step` (AdamW, full fine-tuning); and, for an engine serving LoRA adapters, each extend, decode
+and verify again as `{name}_lora`
 (taking the engine's adapter table: its default max_loras adapters and the base, at its default max_lora_rank)
 and `put_lora` (an adapter written into the table).
 Each takes what it takes on that platform under its hardware plan (`linnet_jax.backend`): on a GPU or
@@ -21,7 +22,7 @@ import optax
 from linnet_jax.adapters import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, put_entry
 from linnet_jax.backend import decode_params, plan_for_platform
 from linnet_jax.decode import choose_first, decode_program, empty_slots, extend, free, verify
-from linnet_jax.inputs import MIN_BUCKET, STOP_ID_SLOTS, buckets, make_requests, make_sampling
+from linnet_jax.inputs import MIN_BUCKET, STOP_ID_SLOTS, make_requests, make_sampling, prefill_widths
 from linnet_jax.loaded import Model
 from linnet_jax.models.config import Config
 from linnet_jax.models.lora import FIELDS, LoraConfig, LoraTable, lora_shapes
@@ -61,7 +62,7 @@ def lowered(model: Model, platform: str, *, batch: int = 1, max_len: int = 1024)
     table = table_shapes(config, DEFAULT_MAX_LORAS + 1, DEFAULT_MAX_LORA_RANK, config.dtype)
     programs = {}
     for suffix, lora in (("", None), ("_lora", table)):
-        for width in buckets(min(PREFILL_CHUNK, max_len)):
+        for width in prefill_widths(PREFILL_CHUNK, max_len):
             chunk = (params, config, slots, row, jax.ShapeDtypeStruct((1, width), jnp.int32), row, row, request,
                      jax.ShapeDtypeStruct((1,), jnp.bool_))
             programs[f"extend_{width}{suffix}"] = extend.trace(*chunk, plan=plan, span=width, lora=lora)

@@ -14,8 +14,9 @@ One scheduler thread owns the decode state. Each iteration it
 A request with a grammar (`structured`, `linnet_jax.structured`) has its slot's mask of allowed tokens computed
 on the host after each of its tokens, so a dispatch that carries one decodes one step, and its slot gets no
 drafts; the other slots' masks allow every token, so the programs are the same with or without grammars.
-Every dispatch's shape is a bucket (rows: powers of two up to prefill_batch; columns: powers of two from
-16 up to prefill_chunk), so nothing compiles after `warmup()`; `step_log` records what each carried.
+Every dispatch's shape is a bucket (rows: powers of two up to prefill_batch; columns: `prefill_widths`, powers of
+two from 16 up to prefill_chunk and three quarters of those from 128), so nothing compiles after `warmup()`;
+`step_log` records what each carried.
 With `loras`, requests may name an adapter (`submit(..., lora=NAME)`): every program takes the engine's adapter
 table (`linnet_jax.adapters.AdapterTable`) and each row its entry, so a batch that mixes adapters is one dispatch,
 and `load_lora` and `unload_lora` change the served set between dispatches without compiling anything. An
@@ -44,8 +45,8 @@ import numpy as np
 
 from linnet_jax.adapters import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, AdapterTable
 from linnet_jax.decode import TOP_LOGPROBS, TRACES, decode, free, verify
-from linnet_jax.inputs import (MIN_BUCKET, RequestError, bucket, buckets, check_max_new_tokens, eos_ids,
-                               extend_rows, make_prompts, new_slots, sampling_options, seed_key)
+from linnet_jax.inputs import (MIN_BUCKET, RequestError, check_max_new_tokens, eos_ids, extend_rows, make_prompts,
+                               new_slots, prefill_widths, sampling_options, seed_key)
 from linnet_jax.loaded import Model
 from linnet_jax.prefix_cache import PrefixCache
 from linnet_jax.serve.lockstep import Lockstep
@@ -476,12 +477,8 @@ class Engine:
         return powers_up_to(self.prefill_batch)
 
     def prefill_widths(self) -> list[int]:
-        """The columns of a prefill dispatch: the buckets up to prefill_chunk (powers of two from MIN_BUCKET), and
-        three quarters of each from 128 (96, 192, 384, ..), which halve the padding a chunk of a bucket's lower half
-        gets; none wider than the slots hold."""
-        widest = bucket(min(self.prefill_chunk, self.max_len - 1), self.prefill_chunk)
-        powers = [width for width in buckets(self.prefill_chunk) if width <= widest]
-        return sorted(powers + [width * 3 // 4 for width in powers if width >= 128])
+        """The columns of a prefill dispatch (`inputs.prefill_widths` of its chunk and slots)."""
+        return prefill_widths(self.prefill_chunk, self.max_len)
 
     def decode_row_buckets(self) -> list[int]:
         """The leading rows a decode dispatch runs over: powers of two up to the slots, and the slots (all of them
