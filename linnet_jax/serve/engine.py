@@ -659,8 +659,8 @@ class Engine:
         always goes (first come, first served), its chunk setting the width; the others that fill that width best
         join it: first those of its kind (a first chunk, whose attention reads its own slots only, or a later
         one), the longest that fit; then longer ones, cut to the width. The dispatch keeps the leading ones that
-        give the most tokens per row, counting a row more for what any dispatch costs beside its rows (padding is
-        compute spent on nothing; a dispatch of fewer rows is not, but its decode step after it is)."""
+        give the most tokens per row, counting one row more for what any dispatch costs besides its rows: padding
+        is compute spent on nothing, and every dispatch brings a decode step after it."""
         (slot, head), others = ready[0], ready[1:]
         width = next(width for width in self.prefill_widths() if width >= self._chunk(head))
         others.sort(key=lambda item: (bool(item[1].prefilled) != bool(head.prefilled),
