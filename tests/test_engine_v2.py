@@ -139,12 +139,14 @@ def test_a_prefill_dispatch_groups_chunks_that_fill_its_width(model):
     lengths = [100, 20, 90, 30, 110, 25, 95, 18]
     requests = [dict(tokens=[3 + (7 * i + j) % 250 for j in range(n)], max_tokens=4, ignore_eos=True)
                 for i, n in enumerate(lengths)]
+    expected = [alone(model, r) for r in requests]
     with Engine(model, slots=8, max_len=256, prefill_chunk=128, max_step_tokens=512, prefix_cache=False) as engine:
         engine.warmup()
         with engine._wake:  # the engine admits them together
             handles = [engine.submit(**request) for request in requests]
-        assert_same([h.result(timeout=300) for h in handles], [alone(model, r) for r in requests])
+        assert_same([h.result(timeout=300) for h in handles], expected)
         prefills = [step for step in engine.step_log if step.kind == "prefill"]
+        assert engine.compiles_after_warmup == 0  # every width (96 and 192 among them) was compiled by warmup
     assert [(step.tokens, step.program_rows, step.program_width) for step in prefills] == [(395, 4, 128),
                                                                                           (93, 4, 32)]
 
