@@ -1,16 +1,16 @@
 """Grouped-query attention with causal, padding and sliding-window masks.
 
 Einsum legend: n cache rows (one per batch row and key/value head, N = B * G, row b * G + g),
-t query positions, s key positions, k head dim.
+i query rows of a cache row (I = R * T: the R = H / G query heads sharing its key/value head, T positions each),
+j key slots, c the contracted axis.
 
 Keys come as [N, S, K] and values as [N, K, S], the layout of the KV cache: both products then
 contract the minor axis of each operand, which XLA:CPU's kernels take as they are, and the
 arrays have no size-1 axis at batch 1, so XLA reads a cache updated in place without first
-copying it. Each of the R = H / G query heads sharing a key/value head gets its own products,
-with one row per query position: a decode step is then a batch of matrix-vector products,
-which XLA:CPU runs about twice as fast as one product of R rows (benchmarks/RESULTS.md). Where the
-caller has a kernel for the products of a few rows (`products`: the hardware plan's, `ops.matvec.batched`
-on XLA:CPU), the R heads' rows go through it together, and each key and value is read once for all of them.
+copying it. The R heads' query rows of a key/value head are one product's rows, so each key and value is
+read once for all of them: through the hardware plan's kernel for the products of a few rows (`products`,
+`ops.matvec.batched` on XLA:CPU) or jnp.einsum, except a decode step's (T = 1) through jnp.einsum, whose
+rows go one matrix-vector product per head, which XLA:CPU runs about twice as fast (benchmarks/RESULTS.md).
 
 Masks are built from positions, not from array indices: query i sees key j when
 0 <= pos_k[j] <= pos_q[i] and (no window, or pos_q[i] - pos_k[j] < window). A negative key
@@ -18,6 +18,7 @@ position marks a padding or empty slot. That one rule serves a full forward over
 rows and a static cache whose slot index is the position.
 """
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -87,22 +88,26 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     b, t, h, d = q.shape
     s = k.shape[1]
     g = kv_heads or k.shape[0] // b
-    n = b * g
+    n, r = b * g, h // g
+    rows = q.reshape(b, t, g, r, d).transpose(0, 2, 3, 1, 4).reshape(n, r * t, d)  # [N, I, K], I = R·T: row r·T + t
     if products is None:  # jnp.einsum's operands: the rows the queries read (`products` reads the first n itself)
-        k, v = k[:n], v[:n]
-    heads = q.reshape(b, t, g, h // g, d).transpose(3, 0, 2, 1, 4).reshape(h // g, n, t, d)  # [R, N, T, K]
-    if products is None:
-        scores = jnp.stack([jnp.einsum("ntk,nsk->nts", head, k, preferred_element_type=jnp.float32)
-                            for head in heads])
+        k, v, slots = k[:n], v[:n], None
+        products = functools.partial(einsum_products, parts=r if t == 1 else 1)
     else:  # each row's slots up to the last one a query sees: [N]
         slots = jnp.repeat(jnp.max(jnp.where(mask, jnp.arange(1, s + 1), 0), axis=(1, 2)), g)
-        scores = products(heads.transpose(1, 0, 2, 3).reshape(n, -1, d), k, slots, False)
-        scores = scores.reshape(n, -1, t, s).transpose(1, 0, 2, 3)
-    scores = jnp.where(mask[:, None], scores.reshape(-1, b, g, t, s) * d**-0.5, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(-1, n, t, s)  # [R, N, T, S]
-    if products is None:
-        out = jnp.stack([jnp.einsum("nts,nks->ntk", p, v) for p in probs])  # [R, N, T, K]
-    else:
-        out = products(probs.transpose(1, 0, 2, 3).reshape(n, -1, s), v, slots, True).astype(v.dtype)
-        out = out.reshape(n, -1, t, d).transpose(1, 0, 2, 3)
-    return out.reshape(-1, b, g, t, d).transpose(1, 3, 2, 0, 4).reshape(b, t, h, d)
+    scores = products(rows, k, slots, False).reshape(b, g, r, t, s)
+    scores = jnp.where(mask[:, None, None], scores * d**-0.5, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(n, r * t, s)
+    out = products(probs, v, slots, True).astype(v.dtype)  # [N, I, K]
+    return out.reshape(b, g, r, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+
+
+def einsum_products(a: jax.Array, b: jax.Array, slots: jax.Array | None, slots_contracted: bool,
+                    parts: int = 1) -> jax.Array:
+    """`attention`'s products through jnp.einsum, over all of b's slots (the mask hides the rest): a [N, I, C],
+    b [N, J, C] → float32 [N, I, J], as `parts` products of I / parts rows each. One product of the R heads' rows
+    runs a prompt's or a training forward's attention ~2x faster on XLA:CPU than R of them; a decode step's one
+    row per head runs faster as R matrix-vector products (benchmarks/RESULTS.md)."""
+    del slots, slots_contracted
+    return jnp.concatenate([jnp.einsum("nic,njc->nij", part, b, preferred_element_type=jnp.float32)
+                            for part in jnp.split(a, parts, axis=1)], axis=1)

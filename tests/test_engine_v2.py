@@ -10,7 +10,7 @@ from test_engine import alone
 
 import linnet_jax
 from linnet_jax import generate
-from linnet_jax.inputs import RequestError
+from linnet_jax.inputs import RequestError, prefill_widths
 from linnet_jax.prefix_cache import GIB, block_bytes
 from linnet_jax.serve import Engine
 from linnet_jax.speculative import Ngram, propose
@@ -136,17 +136,17 @@ def test_a_prefill_dispatch_groups_chunks_that_fill_its_width(model):
     """Eight prompts of 18-110 ids arriving together (a chunk of 128 each): the oldest waiting prompt sets each
     dispatch's width and the others that fill it best join it, so the long ones go together at 128 columns and the
     short ones at 32. In arrival order, four at a time, every dispatch would run 128 columns for 48% of tokens."""
+    assert prefill_widths(128, 256) == [16, 32, 64, 96, 128]  # warmup compiles these (and 192 under 256 chunks)
+    assert prefill_widths(256, 640) == [16, 32, 64, 96, 128, 192, 256]
     lengths = [100, 20, 90, 30, 110, 25, 95, 18]
     requests = [dict(tokens=[3 + (7 * i + j) % 250 for j in range(n)], max_tokens=4, ignore_eos=True)
                 for i, n in enumerate(lengths)]
     expected = [alone(model, r) for r in requests]
     with Engine(model, slots=8, max_len=256, prefill_chunk=128, max_step_tokens=512, prefix_cache=False) as engine:
-        engine.warmup()
-        with engine._wake:  # the engine admits them together
+        with engine._wake:  # the engine admits them together (no warm-up: it compiles the two programs it runs)
             handles = [engine.submit(**request) for request in requests]
         assert_same([h.result(timeout=300) for h in handles], expected)
         prefills = [step for step in engine.step_log if step.kind == "prefill"]
-        assert engine.compiles_after_warmup == 0  # every width (96 and 192 among them) was compiled by warmup
     assert [(step.tokens, step.program_rows, step.program_width) for step in prefills] == [(395, 4, 128),
                                                                                           (93, 4, 32)]
 
