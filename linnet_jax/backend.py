@@ -60,7 +60,7 @@ class Plan:
         """How attention's products run for `rows` query rows per key/value head (heads per group × new positions)
         in a forward of `positions` new positions per row: `ops.matvec.batched` (all of a group's rows through one
         kernel, each cached key and value read once) for a decode or verify step where the kernels run and take that
-        many rows, else None (one XLA product per query head)."""
+        many rows, else None (XLA's products through jnp.einsum, `ops.attention.einsum_products`)."""
         kernel = self.matvec_kernels and positions < STEP_POSITIONS
         return matvec.batched if kernel and rows <= matvec.KERNEL_ROWS else None
 
