@@ -67,7 +67,7 @@ def attention(
     only, which skips most of the masked half (at T = 512, 3/8 of the products and of the softmax).
     products: optional (a [N, I, C], b [N, J, C], slots [N], slots_contracted) -> [N, I, J], Σ_c a[n, i, c] ·
     b[n, j, c] over the first slots[n] key slots (`ops.matvec.batched`), taking the R · T query rows of a key/value
-    head at once (None: one product per query head through jnp.einsum).
+    head at once (None: `einsum_products`).
     Returns [B, T, H, K] in q's dtype.
     """
     mask = attention_mask(q_positions, k_positions, window, segment_ids)  # [B, T, S]
@@ -106,7 +106,7 @@ def einsum_products(a: jax.Array, b: jax.Array, slots: jax.Array | None, slots_c
                     parts: int = 1) -> jax.Array:
     """`attention`'s products through jnp.einsum, over all of b's slots (the mask hides the rest): a [N, I, C],
     b [N, J, C] → float32 [N, I, J], as `parts` products of I / parts rows each. One product of the R heads' rows
-    runs a prompt's or a training forward's attention ~2x faster on XLA:CPU than R of them; a decode step's one
+    runs a prompt's or a training forward's attention up to 2x faster on XLA:CPU than R of them; a decode step's one
     row per head runs faster as R matrix-vector products (benchmarks/RESULTS.md)."""
     del slots, slots_contracted
     return jnp.concatenate([jnp.einsum("nic,njc->nij", part, b, preferred_element_type=jnp.float32)
