@@ -122,7 +122,15 @@ def inverse_cdf_draw(logits: jax.Array, uniform: jax.Array) -> jax.Array:
     inner = jnp.cumsum(jnp.take_along_axis(weights, block[:, None, None], axis=1)[:, 0], axis=-1)  # [B, DRAW_BLOCK]
     token = block * DRAW_BLOCK + first_reaching(inner, jnp.clip(residual, tiny, inner[:, -1]))
     never = take(padded, token) == -jnp.inf  # only where float rounding broke the cumulative sums' order
-    return jnp.where(never, jnp.argmax(logits, axis=-1), token).astype(jnp.int32)
+    return jnp.where(never, first_max_index(logits), token).astype(jnp.int32)
+
+
+def first_max_index(x: jax.Array) -> jax.Array:
+    """Per row, the first index of its largest value, as jnp.argmax gives it for rows without NaN: [B, N] → int32
+    [B]. One max and one min reduction, which XLA:CPU vectorizes, where argmax's (value, index) reduction runs
+    element by element (0.6 against 2.2 ms for [16, 49152] on an AMD Zen 4 core)."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(x == top, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
 
 
 def first_reaching(cumulative: jax.Array, target: jax.Array) -> jax.Array:
@@ -138,7 +146,7 @@ def take(rows: jax.Array, index: jax.Array) -> jax.Array:
 def sample(logits: jax.Array, params: SamplingParams, step: jax.Array | int) -> jax.Array:
     """The next token of each row: int32 [B]. logits: [B, V] float32; step: [B] or one for every row,
     folded into each row's key (a row's draw depends on its own key and step only)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = first_max_index(logits)
 
     def draw():
         steps = jnp.broadcast_to(jnp.asarray(step, jnp.int32), greedy.shape)

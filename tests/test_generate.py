@@ -134,6 +134,19 @@ def test_the_two_level_draw_follows_the_distribution_across_blocks():
     assert max(abs(frequency[token] - p) for token, p in probs.items()) < 0.015
 
 
+def test_greedy_choice_is_argmaxs_first_index():
+    """`first_max_index` (greedy's choice) equals jnp.argmax: ties go to the first, a row of -inf to index 0."""
+    from linnet_jax.ops.sampling import first_max_index
+
+    logits = np.random.default_rng(0).standard_normal((6, 49152)).astype(np.float32)
+    logits[1, [7, 40000]] = logits[2, [40000, 7]] = 30.0  # tied maxima, in either order of writing
+    logits[3] = -np.inf
+    logits[4, -1] = np.inf
+    logits[5, :100] = -np.inf
+    assert np.asarray(first_max_index(jnp.asarray(logits))).tolist() == np.argmax(logits, axis=-1).tolist()
+    assert np.asarray(first_max_index(jnp.asarray(logits))).tolist()[1:5] == [7, 7, 0, 49151]
+
+
 def test_seeds(smollm2):
     prompt = "Tell me a story about a lighthouse."
     first = generate(smollm2, prompt, max_new_tokens=24, temperature=1.0, seed=1)
