@@ -18,6 +18,11 @@ A `Plan` is hashable: `Model.plan` holds it and the cached programs (`forward`, 
   once per query head, at a third of the bandwidth; the kernel reads each row's filled slots once, and its sums do
   not depend on how many slots past a row's last it is given (a request's tokens do not depend on its batch). SmolLM2's
   sampled 16-row step: 116 ms with XLA's products, 68 ms with both kernels (benchmarks/RESULTS.md).
+- `key_block`: a prompt's later chunk (one that continues a row's cache) attends over the cache's first 128, 256,
+  512, .. slots, the fewest that hold its keys (`ops.attention.key_spans`, one branch of a `jax.lax.switch` each),
+  not all max_len: XLA:CPU runs the branch the predicate picks. A 256-position chunk at position 256 of 4,096-slot
+  rows 3.1x faster; 9% at 640 (benchmarks/RESULTS.md). Not on a GPU, where a conditional's predicate goes
+  through the host.
 - `decode_options(rows)`: XLA compiler options for a decode program of that many rows, on one CPU device without
   the kernels: XLA's own dot emitter in place of YNNPACK's from 8 to 24 rows on an AVX2 CPU, where YNNPACK's dots
   keep one of the cores idle (SmolLM2's sampled 16-row step 83 ms instead of 97 on an AMD EPYC).
@@ -32,6 +37,7 @@ from linnet_jax.ops import matvec, quantized
 
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")  # "gpu": how JAX names a CUDA or ROCm device
 XLA_DOTS = (("xla_cpu_experimental_ynn_fusion_type", ""),)  # XLA:CPU fuses no op into YNNPACK: dots are XLA's
+KEY_BLOCK = 128  # XLA:CPU: a prompt chunk's attention reads the cache's slots in multiples of this (`key_block`)
 STEP_POSITIONS = 16  # a forward of fewer new positions per row is a decode or verify step (prompt chunks: 16 or more)
 
 
@@ -43,6 +49,7 @@ class Plan:
     unstacked_layers: bool
     matvec_kernels: bool
     xla_dot_rows: tuple[int, int] | None = None  # (fewest, most) decode rows whose programs use XLA's own dots
+    key_block: int | None = None  # a prompt chunk's attention reads the cache up to a multiple of this (None: all)
 
     @property
     def einsum(self) -> Callable:
@@ -64,6 +71,12 @@ class Plan:
         kernel = self.matvec_kernels and positions < STEP_POSITIONS
         return matvec.batched if kernel and rows <= matvec.KERNEL_ROWS else None
 
+    def attention_key_block(self, positions: int) -> int | None:
+        """How much of the cache attention reads in a forward of `positions` new positions per row (`ops.attention`'s
+        key_block): a prompt chunk's (STEP_POSITIONS or more) up to the first multiple of key_block that holds its
+        keys, where the plan has one; None: all of it."""
+        return self.key_block if positions >= STEP_POSITIONS else None
+
     def decode_options(self, rows: int) -> tuple[tuple[str, str], ...]:
         """XLA compiler options (name, value) for a decode program of `rows` rows (hashable: a cache key)."""
         fewest, most = self.xla_dot_rows or (1, 0)
@@ -77,6 +90,7 @@ def plan_for_platform(platform: str, devices: int = 1) -> Plan:
     cpu = platform == "cpu"
     kernels = cpu and devices == 1 and matvec.available()
     return Plan(platform=platform, unstacked_layers=cpu, matvec_kernels=kernels,
+                key_block=KEY_BLOCK if cpu else None,
                 xla_dot_rows=mid_width_xla_dots(matvec.cpu_flags()) if cpu and devices == 1 and not kernels else None)
 
 

@@ -106,10 +106,12 @@ def decoder_layer(
     einsum=jnp.einsum,
     fresh: bool = False,
     products=None,
+    key_block: int | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """One pre-norm block: x + attention(norm(x)), then + swiglu(norm(x)). x: [B, T, D].
     segment_ids, lora, fresh: see `forward` (lora: this layer's slices); einsum: how the projections run;
-    products: how attention's products run with a cache (`ops.attention`'s; None: jnp.einsum)."""
+    products: how attention's products run with a cache (`ops.attention`'s; None: jnp.einsum); key_block: how much
+    of the cache attention reads (`ops.attention`'s)."""
     rope_positions = jnp.maximum(positions, 0)
     inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
     with jax.named_scope("attention"):
@@ -126,7 +128,7 @@ def decoder_layer(
             cache, keys, values = update_cache(cache, layer, keys, values, positions)
             slot_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (b, cache.max_len))  # slot i: position i
             mixed = attention(q, keys, values, rope_positions, slot_positions, window, causal=fresh,
-                              products=products, kv_heads=g)
+                              products=products, kv_heads=g, key_block=key_block)
         out = einsum("bthk,hkd->btd", mixed, lp.wo)
         out = out + lp.bo if config.o_bias else out
         x = x + (out if lora is None else lora.add(out, "wo", mixed))
@@ -179,7 +181,8 @@ def forward(
     t = tokens.shape[1]
     einsum = quantized.einsum if plan is None else plan.step_einsum(t)
     products = None if plan is None else plan.attention_products(config.num_heads // config.num_kv_heads * t, t)
-    layer_fn = functools.partial(decoder_layer, einsum=einsum, fresh=fresh, products=products)
+    key_block = None if plan is None else plan.attention_key_block(t)
+    layer_fn = functools.partial(decoder_layer, einsum=einsum, fresh=fresh, products=products, key_block=key_block)
     if cache is not None or isinstance(params.layers, tuple) or not (lora is None or lora.layer_major):
         layer_fn = jax.checkpoint(layer_fn, static_argnums=(2, 4, 5)) if remat else layer_fn  # unrolled: static ints
         for layer in range(config.num_layers):

@@ -56,6 +56,7 @@ def attention(
     causal: bool = False,
     products: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     kv_heads: int | None = None,
+    key_block: int | None = None,
 ) -> jax.Array:
     """Softmax attention of H query heads over G key/value heads, softmax in float32.
 
@@ -68,16 +69,48 @@ def attention(
     products: optional (a [N, I, C], b [N, J, C], slots [N], slots_contracted) -> [N, I, J], Σ_c a[n, i, c] ·
     b[n, j, c] over the first slots[n] key slots (`ops.matvec.batched`), taking the R · T query rows of a key/value
     head at once (None: `einsum_products`).
+    key_block (static; with neither causal nor products): read only the first key slots that hold every key a
+    query sees, the fewest of `key_spans` (a branch of a `jax.lax.switch` each): a prompt's 256-position chunk at
+    position 256 of a 640-slot cache reads 512 slots, not 640. None: all S.
     Returns [B, T, H, K] in q's dtype.
     """
     mask = attention_mask(q_positions, k_positions, window, segment_ids)  # [B, T, S]
+    t, s = q.shape[1], k.shape[1]
     if not causal:
+        spans = [s] if key_block is None or products is not None else key_spans(t, s, key_block)
+        if len(spans) > 1:
+            return spanned_attention(q, k, v, mask, spans, kv_heads)
         return masked_attention(q, k, v, mask, products, kv_heads)
-    t = q.shape[1]
     blocks = [(start, min(start + CAUSAL_BLOCK, t)) for start in range(0, t, CAUSAL_BLOCK)]
     return jnp.concatenate([masked_attention(q[:, start:end], k[:, :end], v[:, :, :end], mask[:, start:end, :end],
                                              kv_heads=kv_heads)
                             for start, end in blocks], axis=1)
+
+
+def spanned_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, spans: list[int],
+                      kv_heads: int | None = None) -> jax.Array:
+    """`masked_attention` over the first key slots only: the fewest of `spans` (ascending, the last S) that hold
+    every slot a query sees (`seen_slots`), chosen on the device. q [B, T, H, K], k [N, S, K], v [N, K, S], mask
+    bool [B, T, S] → [B, T, H, K]. The slots left out are masked for every query: they add nothing."""
+
+    def read(span: int) -> Callable:
+        return lambda q, k, v, mask: masked_attention(q, k[:, :span], v[:, :, :span], mask[:, :, :span],
+                                                      kv_heads=kv_heads)
+
+    needed = jnp.max(seen_slots(mask))
+    return jax.lax.switch(jnp.searchsorted(jnp.asarray(spans), needed), [read(span) for span in spans], q, k, v, mask)
+
+
+def key_spans(positions: int, slots: int, key_block: int) -> list[int]:
+    """The spans `spanned_attention` compiles for `positions` queries over `slots` key slots: the powers of two
+    from key_block that exceed the queries (a later chunk of a prompt sees more keys than its own), and all slots."""
+    spans = [key_block << i for i in range(max(slots // key_block, 1).bit_length())]
+    return [span for span in spans if positions < span < slots] + [slots]
+
+
+def seen_slots(mask: jax.Array) -> jax.Array:
+    """For a mask bool [B, T, S], each row's slots up to the last one any of its queries sees: int32 [B]."""
+    return jnp.max(jnp.where(mask, jnp.arange(1, mask.shape[-1] + 1), 0), axis=(1, 2))
 
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
@@ -94,7 +127,7 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
         k, v, slots = k[:n], v[:n], None
         products = functools.partial(einsum_products, parts=r if t == 1 else 1)
     else:  # each row's slots up to the last one a query sees: [N]
-        slots = jnp.repeat(jnp.max(jnp.where(mask, jnp.arange(1, s + 1), 0), axis=(1, 2)), g)
+        slots = jnp.repeat(seen_slots(mask), g)
     scores = products(rows, k, slots, False).reshape(b, g, r, t, s)
     scores = jnp.where(mask[:, None, None], scores * d**-0.5, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(n, r * t, s)

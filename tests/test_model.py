@@ -131,6 +131,36 @@ def test_smollm2_cached_decode(smollm2):
     assert diff < 2e-4
 
 
+def test_attention_over_the_spans_the_queries_see_equals_attention_over_every_slot():
+    """`key_block`: attention reads the fewest of `key_spans` slots that hold every key a query sees (chosen on the
+    device, one branch each) and equals attention over all slots: at a span's last slot and one past it, under a
+    sliding window, with padding queries, and with rows that see different numbers of slots."""
+    import jax
+
+    from linnet_jax.ops.attention import attention, key_spans
+
+    b, t, h, g, d, s, block = 2, 4, 4, 2, 8, 40, 8
+    assert key_spans(t, s, block) == [8, 16, 32, 40] and key_spans(8, s, block) == [16, 32, 40]
+    assert key_spans(t, 8, block) == [8] and key_spans(t, 12, block) == [8, 12]
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(b * g, s, d)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(b * g, d, s)), jnp.float32)
+    slots = jnp.broadcast_to(jnp.arange(s), (b, s))
+    spanned = lambda positions, window: attention(q, k, v, positions, slots, window, key_block=block)  # noqa: E731
+    switches = [eqn for eqn in jax.make_jaxpr(spanned)(jnp.zeros((b, t), int), 0).eqns if eqn.primitive.name == "cond"]
+    assert [len(eqn.params["branches"]) for eqn in switches] == [4]  # one switch over the four spans
+    spanned = jax.jit(spanned)
+    for last in (7, 8, 15, 16, 31, 32, 39):  # the last position a query holds: slots up to last + 1 are read
+        positions = np.stack([np.arange(last - t + 1, last + 1), [2, 3, -1, -1]])  # row 1: two queries see nothing
+        for window in (0, 5):
+            got = spanned(jnp.asarray(positions), window)
+            expected = attention(q, k, v, jnp.asarray(positions), slots, window)
+            np.testing.assert_allclose(np.asarray(got)[positions >= 0], np.asarray(expected)[positions >= 0],
+                                       atol=1e-6)
+    assert np.isfinite(np.asarray(got)).all()
+
+
 def test_causal_attention_equals_attention_and_its_gradient():
     """Blocked causal attention (queries past CAUSAL_BLOCK read fewer keys) equals the one-block form, values and
     gradients, over packed documents, a sliding window and padding, at a length that leaves a partial last block."""

@@ -50,6 +50,8 @@ def test_the_plan(tiny_dir):
         plan = plan_for_platform(accelerator)
         assert not plan.unstacked_layers and not plan.matvec_kernels and plan.einsum is quantized.einsum
         assert decode_params(model.params, plan) is model.params  # the stacked weights themselves
+        assert plan.attention_key_block(256) is None  # a switch's predicate would cost a GPU a host round trip
+    assert model.plan.attention_key_block(16) == 128 and model.plan.attention_key_block(15) is None  # chunks only
     assert not plan_for_platform("cpu", devices=8).matvec_kernels  # a mesh keeps XLA's products
     assert hash(model.plan) == hash(plan_for_platform("cpu"))  # hashable: a static argument
     with pytest.raises(ValueError, match="platform must be one of"):
