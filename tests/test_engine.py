@@ -122,9 +122,10 @@ assert jax.device_count() == 8
 plain = linnet_jax.load({str(shardable_dir)!r}, progress=False)
 model = linnet_jax.load({str(shardable_dir)!r}, mesh=sharding.mesh({mesh}), progress=False)
 rng = np.random.default_rng(0)
-prompts = [rng.integers(3, plain.config.vocab_size, int(rng.integers(2, 30))).tolist() for _ in range(10)]
+prompts = [rng.integers(3, plain.config.vocab_size, int(rng.integers(2, 180))).tolist() for _ in range(10)]
 want = [linnet_jax.generate(plain, tokens=[p], max_new_tokens=8, ignore_eos=True)[0] for p in prompts]
-with Engine(model, slots=8, max_len=64, steps_per_dispatch=4) as engine:
+assert model.plan.key_block == 128  # later chunks of 16 read 128 or all 192 slots of the sharded cache
+with Engine(model, slots=8, max_len=192, steps_per_dispatch=4, prefill_chunk=16) as engine:
     got = [h.result(timeout=300).tokens for h in [engine.submit(tokens=p, max_tokens=8, ignore_eos=True) for p in prompts]]
 assert got == want, (got, want)
 """, tmp_path, eight_devices())
