@@ -21,8 +21,8 @@ A `Plan` is hashable: `Model.plan` holds it and the cached programs (`forward`, 
 - `key_block`: a prompt's later chunk (one that continues a row's cache) attends over the cache's first 128, 256,
   512, .. slots, the fewest that hold its keys (`ops.attention.key_spans`, one branch of a `jax.lax.switch` each),
   not all max_len: XLA:CPU runs the branch the predicate picks. A 256-position chunk at position 256 of 4,096-slot
-  rows 3.1x faster; 9% at 640 (benchmarks/RESULTS.md). Not on a GPU, where a conditional's predicate goes
-  through the host.
+  rows 2.7x faster, 3-11% at 640 (`benchmarks/later_chunks.py`). Not on a GPU, where a conditional's predicate
+  goes through the host.
 - `decode_options(rows)`: XLA compiler options for a decode program of that many rows, on one CPU device without
   the kernels: XLA's own dot emitter in place of YNNPACK's from 8 to 24 rows on an AVX2 CPU, where YNNPACK's dots
   keep one of the cores idle (SmolLM2's sampled 16-row step 83 ms instead of 97 on an AMD EPYC).
