@@ -37,7 +37,7 @@ from linnet_jax.ops import matvec, quantized
 
 PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu")  # "gpu": how JAX names a CUDA or ROCm device
 XLA_DOTS = (("xla_cpu_experimental_ynn_fusion_type", ""),)  # XLA:CPU fuses no op into YNNPACK: dots are XLA's
-KEY_BLOCK = 128  # XLA:CPU: a prompt chunk's attention reads the cache's slots in multiples of this (`key_block`)
+KEY_BLOCK = 128  # XLA:CPU: a prompt chunk's attention reads 128, 256, 512, .. or all of the cache's slots
 STEP_POSITIONS = 16  # a forward of fewer new positions per row is a decode or verify step (prompt chunks: 16 or more)
 
 
@@ -49,7 +49,7 @@ class Plan:
     unstacked_layers: bool
     matvec_kernels: bool
     xla_dot_rows: tuple[int, int] | None = None  # (fewest, most) decode rows whose programs use XLA's own dots
-    key_block: int | None = None  # a prompt chunk's attention reads the cache up to a multiple of this (None: all)
+    key_block: int | None = None  # the fewest slots a prompt chunk's attention may read (`key_spans`; None: all)
 
     @property
     def einsum(self) -> Callable:
@@ -73,8 +73,8 @@ class Plan:
 
     def attention_key_block(self, positions: int) -> int | None:
         """How much of the cache attention reads in a forward of `positions` new positions per row (`ops.attention`'s
-        key_block): a prompt chunk's (STEP_POSITIONS or more) up to the first multiple of key_block that holds its
-        keys, where the plan has one; None: all of it."""
+        key_block): a prompt chunk's (STEP_POSITIONS or more) the fewest of key_block, 2 · key_block, 4 · key_block,
+        .. slots that hold its keys (`ops.attention.key_spans`), where the plan has one; None: all of it."""
         return self.key_block if positions >= STEP_POSITIONS else None
 
     def decode_options(self, rows: int) -> tuple[tuple[str, str], ...]:

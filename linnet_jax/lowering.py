@@ -2,10 +2,10 @@
 
 The programs are the ones `generate`, `serve.Engine` and a train step compile: `extend_{C}` (a prompt's
 first chunk of C tokens, reading its own C slots) and `extend_{C}_continued` (a later chunk, reading the
-row's max_len slots) for each width C of the engine's prefill dispatches (`inputs.prefill_widths` of its
-prefill_chunk), `choose_first` (the first token of the prompts a chunk ends), `decode`, `verify` (n-gram drafts),
-`free`, and `train_step` (AdamW, full fine-tuning); and, for an engine serving LoRA adapters, each extend, decode
-and verify again as `{name}_lora`
+row's max_len slots, or on a CPU the fewest spans that hold its keys: `ops.attention.key_spans`) for each width C
+of the engine's prefill dispatches (`inputs.prefill_widths` of its prefill_chunk), `choose_first` (the first
+token of the prompts a chunk ends), `decode`, `verify` (n-gram drafts), `free`, and `train_step` (AdamW, full
+fine-tuning); and, for an engine serving LoRA adapters, each extend, decode and verify again as `{name}_lora`
 (taking the engine's adapter table: its default max_loras adapters and the base, at its default max_lora_rank)
 and `put_lora` (an adapter written into the table).
 Each takes what it takes on that platform under its hardware plan (`linnet_jax.backend`): on a GPU or

@@ -97,13 +97,14 @@ def spanned_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
         return lambda q, k, v, mask: masked_attention(q, k[:, :span], v[:, :, :span], mask[:, :, :span],
                                                       kv_heads=kv_heads)
 
-    needed = jnp.max(seen_slots(mask))
-    return jax.lax.switch(jnp.searchsorted(jnp.asarray(spans), needed), [read(span) for span in spans], q, k, v, mask)
+    branch = jnp.sum(jnp.asarray(spans[:-1]) < jnp.max(seen_slots(mask)))  # the first span ≥ every row's slots
+    return jax.lax.switch(branch, [read(span) for span in spans], q, k, v, mask)
 
 
 def key_spans(positions: int, slots: int, key_block: int) -> list[int]:
-    """The spans `spanned_attention` compiles for `positions` queries over `slots` key slots: the powers of two
-    from key_block that exceed the queries (a later chunk of a prompt sees more keys than its own), and all slots."""
+    """The spans `spanned_attention` compiles for `positions` queries over `slots` key slots: key_block, 2 ·
+    key_block, 4 · key_block, .. where more than the queries (a later chunk of a prompt sees more keys than its
+    own) and fewer than the slots, then all slots."""
     spans = [key_block << i for i in range(max(slots // key_block, 1).bit_length())]
     return [span for span in spans if positions < span < slots] + [slots]
 

@@ -152,7 +152,7 @@ def test_attention_over_the_spans_the_queries_see_equals_attention_over_every_sl
     assert [len(eqn.params["branches"]) for eqn in switches] == [4]  # one switch over the four spans
     spanned = jax.jit(spanned)
     for last in (7, 8, 15, 16, 31, 32, 39):  # the last position a query holds: slots up to last + 1 are read
-        positions = np.stack([np.arange(last - t + 1, last + 1), [2, 3, -1, -1]])  # row 1: two queries see nothing
+        positions = np.stack([[2, 3, -1, -1], np.arange(last - t + 1, last + 1)])  # row 0: two queries see nothing
         for window in (0, 5):
             got = spanned(jnp.asarray(positions), window)
             expected = attention(q, k, v, jnp.asarray(positions), slots, window)

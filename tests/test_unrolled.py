@@ -53,6 +53,7 @@ def test_the_plan(tiny_dir):
         assert plan.attention_key_block(256) is None  # a switch's predicate would cost a GPU a host round trip
     assert model.plan.attention_key_block(16) == 128 and model.plan.attention_key_block(15) is None  # chunks only
     assert not plan_for_platform("cpu", devices=8).matvec_kernels  # a mesh keeps XLA's products
+    assert plan_for_platform("cpu", devices=8).key_block == 128  # and reads a later chunk's spans
     assert hash(model.plan) == hash(plan_for_platform("cpu"))  # hashable: a static argument
     with pytest.raises(ValueError, match="platform must be one of"):
         plan_for_platform("metal")
