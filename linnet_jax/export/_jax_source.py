@@ -28,8 +28,8 @@ MODULE = "model.py"
 OPS_SOURCES: dict[str, list[str]] = {
     "linnet_jax.ops.rope": ["ROPE_TYPES", "RopeScaling", "inverse_frequencies", "_llama3_frequencies", "apply_rope"],
     "linnet_jax.ops.norm": ["rms_norm"],
-    "linnet_jax.ops.attention": ["attention_mask", "CAUSAL_BLOCK", "attention", "masked_attention",
-                                 "einsum_products"],
+    "linnet_jax.ops.attention": ["attention_mask", "CAUSAL_BLOCK", "attention", "spanned_attention", "key_spans",
+                                 "seen_slots", "masked_attention", "einsum_products"],
     "linnet_jax.ops.mlp": ["swiglu"],
 }
 MODEL_SOURCES: dict[str, list[str]] = {
