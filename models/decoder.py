@@ -203,7 +203,8 @@ def forward(
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
     head = params.embed if params.lm_head is None else params.lm_head
-    logits = einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
+    head_einsum = einsum if plan is None else plan.step_einsum(x.shape[1])  # logits_at: a decode step's products
+    logits = head_einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
     return constrain(logits, ("batch", "seq", "vocab")), cache
 
 

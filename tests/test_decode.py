@@ -187,6 +187,20 @@ def test_a_later_chunk_reads_the_slots_it_sees_and_equals_reading_all(tiny_dir):
             np.testing.assert_array_equal(got, expected)
 
 
+def test_a_prompts_first_token_is_the_same_alone_and_beside_others(tiny_dir):
+    """The first token's logits (the head at each row's last position) go through the decode step's products, whose
+    sums do not depend on the rows: a prompt prefilled alone and beside three others gets the same first token and
+    top logprobs, bit for bit (XLA's product sums one row in another order than several)."""
+    model = linnet_jax.load(tiny_dir("llama_gqa_llama3")[1], progress=False)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (40, 17, 33, 25)]
+    requests = [Job([], 1).request(model)] * 4
+    alone = extend_rows(model, new_slots(model, 4, 64), [0], prompts[:1], [0], requests[:1], [True])
+    together = extend_rows(model, new_slots(model, 4, 64), [0, 1, 2, 3], prompts, [0] * 4, requests, [True] * 4)
+    for column in ("token", "top_ids", "top_logprobs"):
+        np.testing.assert_array_equal(host(getattr(alone, column))[0], host(getattr(together, column))[0])
+
+
 def test_the_plan_compiles_mid_width_decode_with_xla_dots(tiny_dir):
     """Without the kernels, on one AVX2 CPU the plan compiles a decode program of 8 to 24 rows without YNNPACK's
     fusions (XLA's own dots), others with them (on an AVX-512 CPU all with them); 16 rows, greedy and sampled, give
