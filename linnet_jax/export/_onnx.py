@@ -26,11 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from linnet_jax._version import __version__
-from linnet_jax.export._torch_source import MODULE, check_max_len, module_source
+from linnet_jax.export._torch_source import MODULE, check_max_len, decoder_state, module_source
 from linnet_jax.files import MODEL_FILES, generation_config, prepare_target, staged, write_json, write_model_files
 from linnet_jax.inputs import bucket
-from linnet_jax.models.params import flatten_params, unstack_layers
-from linnet_jax.sharding import host
 
 DTYPES = ("float32", "float16")
 GRAPHS = {"prefill": "prefill.onnx", "decode": "decode.onnx"}
@@ -89,8 +87,8 @@ def decoder_module(model, dtype: str, max_len: int):
     source = generated(model, max_len)
     torch_dtype = getattr(torch, dtype)
     decoder = source.Decoder(torch_dtype)
-    state = {name: torch.from_numpy(np.asarray(host(array), np.float32)).to(torch_dtype)
-             for name, array in flatten_params(unstack_layers(model.params)).items()}
+    state = {name: torch.from_numpy(np.asarray(array, np.float32)).to(torch_dtype)
+             for name, array in decoder_state(model.params).items()}
     decoder.load_state_dict(state, strict=True, assign=True)
 
     class WithCache(torch.nn.Module):
