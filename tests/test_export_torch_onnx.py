@@ -163,7 +163,8 @@ def test_smollm2_exports_run_standalone(smollm2, smollm2_reference, smollm2_prom
 def test_torch_compile_gives_the_same_tokens_without_graph_breaks(tiny_models, tmp_path):
     """torch.compile (inductor) of load_weights() runs through the same generate to the same ids; a decode step
     is one graph (torch._dynamo.explain: no break), so CUDA graphs can take it, and it writes the cache in place
-    (no buffer of a cache tensor's shape in inductor's code: a scatter_ there made it copy every layer's cache)."""
+    (no buffer of a cache tensor's shape in inductor's code: a scatter_ there made it copy every layer's cache).
+    Its products are 4 a layer (q, k and v as one, o, gate and up as one, down) and the head's."""
     model = tiny_models["mistral_sliding"][1]
     module = load_module(export.torch_source(model, tmp_path / "src", max_len=TINY_MAX_LEN) / "model.py")
     params = module.load_weights()
@@ -176,6 +177,7 @@ def test_torch_compile_gives_the_same_tokens_without_graph_breaks(tiny_models, t
     with torch.inference_mode():
         _, code = run_and_get_code(torch.compile(params), torch.tensor([[5]]), torch.tensor([[3]]), keys, values)
     assert not [t.shape for t in (keys[0], values[0]) if f"empty_strided_cpu({tuple(t.shape)}" in "\n".join(code)]
+    assert "\n".join(code).count("extern_kernels.mm(") == 4 * model.config.num_layers + 1
     torch._dynamo.reset()
     compiled = torch.compile(params)
     assert module.generate(compiled, TINY_PROMPT, max_new_tokens=NEW, stop_ids=()) == eager
