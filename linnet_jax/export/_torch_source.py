@@ -4,7 +4,8 @@ model.py is made from this model's config, never by hand per model: the rope fre
 source (`inverse_frequencies`, numpy), the config is inlined as constants (`_jax_source.config_source`), the
 weights' names and shapes are linnet_jax's declarations (`LAYER_SHAPES`, `SHAPES`: every weight this config
 has, in linnet_jax's input-first layout, with each of a layer's `FUSED` groups stored as one tensor), and the
-PyTorch decoder below (`MODEL`) branches on those constants only. A config field the decoder does not read is refused at export (`READ_FIELDS`), never dropped silently.
+PyTorch decoder below (`MODEL`) branches on those constants only. A config field the decoder does not read is
+refused at export (`READ_FIELDS`), never dropped silently.
 
 The decoder keeps a static KV cache, per layer keys [B, G, K, S + 1] (slots last: the scores' product reads them
 as they lie) and values [B, G, S + 1, K]: slot p holds position p, the last slot takes the writes of padding
@@ -16,7 +17,9 @@ the stop ids.
 
 import dataclasses
 import importlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -39,8 +42,9 @@ SOURCES: dict[str, list[str]] = {
     "linnet_jax.inputs": ["MIN_BUCKET", "bucket"],
 }
 # A layer's products the decoder computes as one, each group's weights stored side by side along their first output
-# axis: a step makes 4 matrix-vector products a layer instead of 7, each longer (measured on SmolLM2's shapes,
-# 2 threads: the layers' products 32 -> 28 ms).
+# axis: w_qkv [D, H + 2G, K], b_qkv [H + 2G, K], w_gate_up [D, 2F]. A step makes 4 matrix-vector products a layer
+# instead of 7, each longer (SmolLM2's shapes, 2 threads: the layers' products 32 -> 28 ms). A group's parts share
+# one `when` (models/params.py): a config has all of them or none.
 FUSED = {"w_qkv": ("wq", "wk", "wv"), "b_qkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
 # Every Config field and where MODEL honours it; a field not named here is refused (see `check_config`).
 READ_FIELDS = {
@@ -271,7 +275,7 @@ def decoder_state(params) -> dict[str, np.ndarray]:
     return state
 
 
-def fused_layer(layer: dict, join) -> dict:
+def fused_layer(layer: dict, join: Callable[[list, int], Any]) -> dict:
     """A layer's tensors (or shapes) by field name, each FUSED group that it has made one, named by the group, in
     its first part's place: join(parts, axis) along the parts' first output axis (a weight's after its inputs, a
     bias's first)."""
@@ -313,13 +317,16 @@ def module_source(model, max_len: int = 1024) -> str:
     check_config(model.config)
     shapes = flatten_params(param_shapes(model.config))
     eos = generation_config(model.config, model.tokenizer).get("eos_token_id", [])
+    layer = fused_layer(layer_shapes(model.config), joined_shape)
     constants = (f"WEIGHTS = {WEIGHTS!r}\n"
                  f"MAX_LEN = {check_max_len(model.config, max_len)!r}  # the cache's slots per row\n"
                  f"EOS_TOKEN_IDS = {tuple(eos) if isinstance(eos, list) else (eos,)!r}\n"
                  "CONFIG = Config()\n"
-                 "# every weight, by its name in WEIGHTS: linnet_jax's layout, projections input-first ([D, H, K], ...)\n"
+                 "# every weight, by its name in WEIGHTS: linnet_jax's layout, projections input-first\n"
+                 "# ([D, H, K], ...); a layer's q, k, v as one w_qkv [D, H + 2G, K] (biases b_qkv [H + 2G, K]),\n"
+                 "# gate and up as one w_gate_up [D, 2F]\n"
                  f"SHAPES = {({n: s for n, s in shapes.items() if not n.startswith('layers.')})!r}\n"
-                 f"LAYER_SHAPES = {fused_layer(layer_shapes(model.config), joined_shape)!r}  # each of layers.0 .. layers.{model.config.num_layers - 1}\n")
+                 f"LAYER_SHAPES = {layer!r}  # each of layers.0 .. layers.{model.config.num_layers - 1}\n")
     parts = [header(model), IMPORTS]
     for module, names in SOURCES.items():
         parts += section(importlib.import_module(module), names)
