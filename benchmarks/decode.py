@@ -20,7 +20,7 @@ What is measured, per system:
 - decode tok/s: (new tokens - 1) / (time of the full call - time of the TTFT call), per run; the
   table gives the median over runs (and TTFT the median of its own).
 - load: from files to weights ready in memory (imports not included); first call: the first
-  full generate in a fresh process, compilation included.
+  full generate in a fresh process, compilation included (torch.compile's with an empty cache).
 - peak RSS: the worker's own peak (VmHWM) after the timed runs (before the distance is computed).
 - distance: max |logit difference| over the whole prompt against transformers eager float32 (the
   reference, 0 by definition); agreement: how many leading generated tokens equal the
@@ -456,7 +456,11 @@ def handle(system: System, ids: np.ndarray, command: dict) -> dict:
 
 
 def serve(name: str, model_path: Path, prompt_tokens: int, new_tokens: int) -> None:
-    """Worker main: prepare, load, report the load time, then answer commands until `quit` or end of input."""
+    """Worker main: prepare, load, report the load time, then answer commands until `quit` or end of input.
+    torch.compile's kernels go to a cache of this worker's own, so its first call compiles them (inductor's default
+    cache, /tmp/torchinductor_*, would hand it an earlier run's)."""
+    inductor_cache = tempfile.TemporaryDirectory(prefix="decode-bench-inductor-")  # removed when the worker exits
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache.name
     channel = protocol_channel()
     send = lambda reply: print(json.dumps(reply), file=channel)  # noqa: E731
     system, ids = SYSTEMS[name](model_path, prompt_tokens + new_tokens), prompt_ids(prompt_tokens)
@@ -778,8 +782,9 @@ def report(results: list[Measured], args: argparse.Namespace, command: str, band
         "(full call − TTFT call), per run, median. % of roofline: decode × bytes read per token (the weights, as "
         "wide as the system reads them, and the float32 cache) / this run's read bandwidth. "
         "Load: files to weights ready (imports excluded); first call: the first full generate in a fresh "
-        "process, compilation included. Peak RSS: the system's own process. Distance: max |Δlogit| over "
-        "the prompt against transformers eager float32; agreement: leading greedy tokens equal to its "
+        "process, compilation included (torch.compile's from an empty cache). Peak RSS: the system's own "
+        "process. Distance: max |Δlogit| over the prompt against transformers eager float32; agreement: "
+        "leading greedy tokens equal to its "
         "tokens. Written by `benchmarks/decode.py`.",
     ])
 
