@@ -212,6 +212,38 @@ def test_a_dispatch_of_slow_steps_is_one_step(model, monkeypatch):
     assert decodes == [4] + [1] * 7  # the prefill gave the first token, four then seven one at a time
 
 
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_a_request_arriving_during_a_prefill_waits_one_decode_step(model, monkeypatch, cancelled):
+    """A request submitted while a prefill dispatch runs (here: right after it, before the scheduler's next decode
+    dispatch) takes its free slot at once, so the decode dispatch that follows is one step, not steps_per_dispatch,
+    and its prefill comes next; both requests' tokens are generate's. One cancelled meanwhile ends without a slot:
+    that dispatch runs its steps."""
+    monkeypatch.setattr(importlib.import_module("linnet_jax.serve.engine"), "DISPATCH_SECONDS", 1e9)
+    with Engine(model, slots=2, max_len=64, steps_per_dispatch=4, prefix_cache=False) as engine:
+        engine.warmup()
+        prefill, late = engine._prefill, []
+
+        def prefill_then_arrive():
+            prefill()
+            if not late and engine.step_log:  # the first request's prefill has run: the second arrives now
+                late.append(engine.submit(tokens=[8, 9, 10], max_tokens=6, ignore_eos=True))
+                if cancelled:
+                    late[0].cancel()
+
+        monkeypatch.setattr(engine, "_prefill", prefill_then_arrive)
+        first = engine.submit(tokens=[5, 6, 7], max_tokens=12, ignore_eos=True)
+        assert first.result(timeout=300).tokens == generate(model, tokens=[[5, 6, 7]], max_new_tokens=12,
+                                                            ignore_eos=True)[0]
+        second = late[0].result(timeout=300)
+        kinds = [(step.kind, step.tokens) for step in engine.step_log]
+    if cancelled:
+        assert (second.stop_reason, second.tokens) == ("cancelled", [])
+        assert kinds[:2] == [("prefill", 3), ("decode", 4)]
+    else:
+        assert second.tokens == generate(model, tokens=[[8, 9, 10]], max_new_tokens=6, ignore_eos=True)[0]
+        assert kinds[:3] == [("prefill", 3), ("decode", 1), ("prefill", 3)]
+
+
 def test_generate_speculative_gives_the_same_tokens_in_fewer_steps(model, monkeypatch):
     prompts = [([9, 10, 11, 12] * 8)[:30], list(range(40, 70)) + list(range(40, 50))]
     module = importlib.import_module("linnet_jax.generate")  # the module (linnet_jax.generate is the function)

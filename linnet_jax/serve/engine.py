@@ -7,6 +7,7 @@ One scheduler thread owns the decode state. Each iteration it
     `prefill_chunk` tokens of each, `max_step_tokens` in all), so that a long prompt holds the requests
     decoding for one chunk at a time, never for its whole prefill; before its first chunk a prompt copies the
     cached blocks of its prefix in (`linnet_jax.prefix_cache`), or waits for those another prompt is computing,
+  - gives the requests that arrived meanwhile their free slots (so the decode dispatch below is one step),
   - advances every decoding slot `steps_per_dispatch` decode steps in one device call (fewer where steps are
     slow: a dispatch lasts about DISPATCH_SECONDS, so a request arriving meanwhile waits little for its prefill),
     or one step that verifies each slot's n-gram drafts (`linnet_jax.speculative`),
@@ -459,7 +460,7 @@ class Engine:
         request = sampling_options(model, 1).requests(1)
         for rows in self.row_buckets():
             for width in self.prefill_widths():
-                for start in (0, 1):  # a prompt's first chunk (its own slots only), and a later one
+                for start in (0, 1):  # a prompt's first chunk (its own keys only), and a later one
                     self._extend([nothing], [[0]], [start], [request], [False], rows, width)
         for top in (False, True):
             for rows in self.decode_row_buckets():
@@ -592,14 +593,17 @@ class Engine:
                 self._vacate(slot, "cancelled")
 
     def _admit(self) -> None:
-        """Give queued requests the free slots."""
+        """Give queued requests the free slots (a request cancelled while queued ends, without one)."""
         while True:
             slot = next((s for s, owner in enumerate(self.owners) if owner is None), None)
             with self._wake:
                 if slot is None or not self.queue:
                     return
                 work = self.queue.popleft()
-                self.owners[slot] = work
+                if work.handle.cancelled:
+                    self._finish(work, "cancelled")
+                else:
+                    self.owners[slot] = work
 
     def _leading_block(self, work: Work) -> tuple | None:
         """The prompt's first prefix-cache block with its adapter's key, where the prompt could reuse it."""
@@ -657,7 +661,7 @@ class Engine:
     def _fill(self, ready: list[tuple[int, Work]]) -> tuple[list[tuple[int, Work, int]], int]:
         """The chunks of one prefill dispatch, (slot, work, length) each, and its width. The oldest waiting prompt
         always goes (first come, first served), its chunk setting the width; the others that fill that width best
-        join it: first those of its kind (a first chunk, whose attention reads its own slots only, or a later
+        join it: first those of its kind (a first chunk, whose attention reads its own keys only, or a later
         one), the longest that fit; then longer ones, cut to the width. The dispatch keeps the leading ones that
         give the most tokens per row, counting one row more for what any dispatch costs besides its rows: padding
         is compute spent on nothing, and every dispatch brings a decode step after it."""
@@ -793,7 +797,9 @@ class Engine:
     def _dispatch(self) -> None:
         """steps_per_dispatch decode steps over every decoding slot (fewer where that would take over
         DISPATCH_SECONDS; one while a prompt waits for the next prefill dispatch: it joins the decoding rows sooner;
-        one while a slot's grammar needs its next mask), or one step verifying their drafts; hand out the tokens."""
+        one while a slot's grammar needs its next mask), or one step verifying their drafts; hand out the tokens. A
+        request that arrived during the prefill dispatch takes its free slot first, so it too waits one step."""
+        self._admit()
         top = any(work is not None and work.top_logprobs for work in self.owners)
         drafts = self._drafts() if self.speculative else []
         rows, program_rows = sum(work is not None and work.decoding for work in self.owners), self._decode_rows()
