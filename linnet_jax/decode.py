@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from linnet_jax.models import KVCache, Params, forward, init_cache
 from linnet_jax.models.config import Config
+from linnet_jax.models.decoder import take_rows
 from linnet_jax.models.lora import LoraTable
 from linnet_jax.ops import SamplingParams, bitmask_words, masked, penalized, sample
 
@@ -148,7 +149,7 @@ def row_cache(cache: KVCache, rows: jax.Array, heads: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=(1, 9, 10, 11), donate_argnums=(2,))
 def extend(params: Params, config: Config, slots: Slots, rows: jax.Array, tokens: jax.Array, start: jax.Array,
-           count: jax.Array, request: Request, last: jax.Array, constrain=None, plan=None, span: int | None = None,
+           count: jax.Array, request: Request, last: jax.Array, constrain=None, plan=None, fresh: bool = False,
            lora: LoraTable | None = None) -> tuple[Slots, jax.Array]:
     """A chunk of a prompt for each of R rows of the state, in one forward; returns the state and each row's logits
     at its chunk's last token [R, V] (float32), which `choose_first` turns into the first tokens of the rows it ends.
@@ -158,31 +159,23 @@ def extend(params: Params, config: Config, slots: Slots, rows: jax.Array, tokens
     ([R]); last: [R] bool, the chunk ends the row's prompt: it runs (`choose_first` then chooses its first token),
     else it waits (FREE) for its next chunk. A chunk starting at 0 begins a new prompt; a later one continues the
     row's cache. constrain: forward's sharding constraints; plan: the hardware plan (`linnet_jax.backend.Plan`)
-    the params were made for (`Model.plan`); span: None, or every chunk begins its prompt (start 0) and the chunks
-    read and write only their rows' first `span` slots (≥ every count), so that a fresh prompt's attention reads
-    its own C slots rather than max_len, causal over them (`forward`'s fresh).
+    the params were made for (`Model.plan`); fresh: every chunk begins its prompt (start 0), so its attention reads
+    its own C keys only, causal over them (`forward`'s fresh), not its row's max_len slots. Each row's new keys and
+    values are written into its cache slots and nowhere else (`forward`'s cache_rows).
     lora: the adapter table (each row uses its request's entry), or None."""
     TRACES["extend"] += 1
-    fresh = span is not None
-    heads, span = config.num_kv_heads, span or slots.cache.max_len
-    cache_rows = row_cache(slots.cache, rows, heads)
-    cache = KVCache(k=tuple(take_rows(layer, cache_rows)[:, :span] for layer in slots.cache.k),
-                    v=tuple(take_rows(layer, cache_rows)[:, :, :span] for layer in slots.cache.v))
     columns = jnp.arange(tokens.shape[1])
     valid = columns < count[:, None]
     positions = jnp.where(valid, start[:, None] + columns, -1)
-    logits, cache = forward(params, config, tokens, positions, cache, logits_at=jnp.maximum(count - 1, 0),
-                            constrain=constrain, lora=row_adapters(lora, request), plan=plan, fresh=fresh)
+    logits, cache = forward(params, config, tokens, positions, slots.cache, logits_at=jnp.maximum(count - 1, 0),
+                            constrain=constrain, lora=row_adapters(lora, request), plan=plan, fresh=fresh,
+                            cache_rows=row_cache(slots.cache, rows, config.num_kv_heads))
     part = rows_of(slots, rows)
     seen = jnp.where((start == 0)[:, None], False, part.seen)
     seen = seen.at[jnp.arange(rows.shape[0])[:, None], tokens].max(valid)
     part = part.replace(request=request, seen=seen, generated=jnp.zeros_like(part.generated), length=start + count,
                         count=jnp.zeros_like(count), finish=jnp.where(last, RUNNING, FREE).astype(jnp.int32))
-    state = with_rows(slots.replace(cache=None), rows, part)
-    return state.replace(cache=KVCache(
-        k=tuple(whole.at[cache_rows, :span].set(new, mode="drop") for whole, new in zip(slots.cache.k, cache.k)),
-        v=tuple(whole.at[cache_rows, :, :span].set(new, mode="drop") for whole, new in zip(slots.cache.v, cache.v)))
-    ), logits[:, 0]
+    return with_rows(slots.replace(cache=None), rows, part).replace(cache=cache), logits[:, 0]
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -192,11 +185,6 @@ def choose_first(slots: Slots, rows: jax.Array, logits: jax.Array) -> Slots:
     its own: the sampler compiles once per R, not once per extend shape."""
     TRACES["choose_first"] += 1
     return with_rows(slots, rows, choose(rows_of(slots, rows), logits, slots.cache.max_len, top=True))
-
-
-def take_rows(array: jax.Array, rows: jax.Array) -> jax.Array:
-    """array's rows [R] along its first axis; a row past its end (padding) reads zeros."""
-    return jnp.take(array, rows, axis=0, mode="fill", fill_value=0)
 
 
 def rows_of(slots: Slots, rows: jax.Array) -> Slots:

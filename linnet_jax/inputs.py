@@ -75,7 +75,7 @@ def extend_rows(model: Model, slots: Slots, rows: list[int], chunks: list[list[i
     tokens at positions starts[i] ..) into row rows[i], with its request (one row each); last[i]: it ends its
     prompt (the row's first token is chosen). Padded to `height` rows (padding rows write nothing) and `width`
     columns; by default the rows given and the bucket of the longest chunk. Chunks that all begin their prompts
-    read and write only their rows' first `width` slots. lora: the adapter table (`models.lora.LoraTable`) or None."""
+    attend to their own keys only (`extend`'s fresh). lora: the adapter table (`models.lora.LoraTable`) or None."""
     height, width = height or len(rows), width or bucket(max(map(len, chunks)), slots.cache.max_len)
     padding = height - len(rows)
     tokens = np.zeros((height, width), np.int32)
@@ -86,7 +86,7 @@ def extend_rows(model: Model, slots: Slots, rows: list[int], chunks: list[list[i
     row_ids = column(rows, slots.token.shape[0], np.int32)
     slots, logits = extend(model.decode_params, model.config, slots, row_ids, tokens, column(starts, 0, np.int32),
                            column(map(len, chunks), 0, np.int32), request, column(last, False, bool),
-                           model.layout and model.layout.constrain, model.plan, width if not any(starts) else None,
+                           model.layout and model.layout.constrain, model.plan, not any(starts),
                            lora=lora)
     return choose_first(slots, row_ids, logits)
 

@@ -1,7 +1,7 @@
 """`lowered`: the StableHLO of every program linnet_jax compiles, lowered for an accelerator from any machine.
 
 The programs are the ones `generate`, `serve.Engine` and a train step compile: `extend_{C}` (a prompt's
-first chunk of C tokens, reading its own C slots) and `extend_{C}_continued` (a later chunk, reading the
+first chunk of C tokens, attending to its own C keys) and `extend_{C}_continued` (a later chunk, reading the
 row's max_len slots, or on a CPU the fewest spans that hold its keys: `ops.attention.key_spans`) for each width C
 of the engine's prefill dispatches (`inputs.prefill_widths` of its prefill_chunk), `choose_first` (the first
 token of the prompts a chunk ends), `decode`, `verify` (n-gram drafts), `free`, and `train_step` (AdamW, full
@@ -65,7 +65,7 @@ def lowered(model: Model, platform: str, *, batch: int = 1, max_len: int = 1024)
         for width in prefill_widths(PREFILL_CHUNK, max_len):
             chunk = (params, config, slots, row, jax.ShapeDtypeStruct((1, width), jnp.int32), row, row, request,
                      jax.ShapeDtypeStruct((1,), jnp.bool_))
-            programs[f"extend_{width}{suffix}"] = extend.trace(*chunk, plan=plan, span=width, lora=lora)
+            programs[f"extend_{width}{suffix}"] = extend.trace(*chunk, plan=plan, fresh=True, lora=lora)
             programs[f"extend_{width}_continued{suffix}"] = extend.trace(*chunk, plan=plan, lora=lora)
         programs[f"decode{suffix}"] = decode_program(plan.decode_options(batch)).trace(
             params, config, slots, slot, DECODE_STEPS, plan=plan, lora=lora)

@@ -72,24 +72,45 @@ def project_qkv(h: jax.Array, lp: LayerParams, config: Config, lora: Lora | Lora
     return q, k, v
 
 
-def write_slots(positions: jax.Array, heads: int, max_len: int) -> tuple[jax.Array, jax.Array]:
+def write_slots(positions: jax.Array, heads: int, max_len: int, cache_rows: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
     """Where T new tokens of each row go: (cache row, slot) index pairs [N, T] for positions [B, T], a slot past
-    the cache (dropped by the scatter) where the position is negative."""
-    rows = jnp.arange(positions.shape[0] * heads)[:, None]
+    the cache (dropped by the scatter) where the position is negative. cache_rows: the cache row of each of the N
+    rows [N] (past the cache: dropped); None: row n is cache row n."""
+    rows = (jnp.arange(positions.shape[0] * heads) if cache_rows is None else cache_rows)[:, None]
     slots = jnp.repeat(jnp.where(positions >= 0, positions, max_len), heads, axis=0)
     return jnp.broadcast_to(rows, slots.shape), slots
 
 
-def update_cache(cache: KVCache, layer: int, keys: jax.Array, values: jax.Array, positions: jax.Array
-                 ) -> tuple[KVCache, jax.Array, jax.Array]:
+def update_cache(cache: KVCache, layer: int, keys: jax.Array, values: jax.Array, positions: jax.Array,
+                 cache_rows: jax.Array | None = None) -> tuple[KVCache, jax.Array, jax.Array]:
     """Write layer `layer`'s new keys [N, T, K] and values [N, K, T] at their positions [B, T] (none where
-    negative). Returns the cache and the layer's keys [N, S, K] and values [N, K, S]."""
-    rows, slots = write_slots(positions, keys.shape[0] // positions.shape[0], cache.max_len)
+    negative), into cache rows `cache_rows` [N] (`write_slots`). Returns the cache and the layer's keys and values,
+    all the cache's rows ([N', S, K] and [N', K, S])."""
+    rows, slots = write_slots(positions, keys.shape[0] // positions.shape[0], cache.max_len, cache_rows)
     k = cache.k[layer].at[rows, slots].set(keys.astype(cache.k[layer].dtype), mode="drop", unique_indices=True)
     v = cache.v[layer].at[rows, :, slots].set(jnp.swapaxes(values, 1, 2).astype(cache.v[layer].dtype), mode="drop",
                                               unique_indices=True)
     replaced = lambda arrays, new: (*arrays[:layer], new, *arrays[layer + 1:])  # noqa: E731
     return cache.replace(k=replaced(cache.k, k), v=replaced(cache.v, v)), k, v
+
+
+def take_rows(array: jax.Array, rows: jax.Array) -> jax.Array:
+    """array's rows [R] along its first axis; a row past its end (padding) reads zeros."""
+    return jnp.take(array, rows, axis=0, mode="fill", fill_value=0)
+
+
+def attended(cached_keys: jax.Array, cached_values: jax.Array, keys: jax.Array, values: jax.Array, fresh: bool,
+             cache_rows: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """The keys [N, S, K] and values [N, K, S] a layer's queries attend to, from its cache's (`update_cache`'s, its
+    new keys [N, T, K] and values [N, K, T] written): without cache_rows, the cache's rows as they are (its first N
+    are the queries'); with them, a fresh chunk's own keys and values (its slots 0 .. T - 1, nothing else to read),
+    or else the cache_rows' gathered (`forward`'s cache_rows)."""
+    if cache_rows is None:
+        return cached_keys, cached_values
+    if fresh:
+        return keys.astype(cached_keys.dtype), values.astype(cached_values.dtype)
+    return take_rows(cached_keys, cache_rows), take_rows(cached_values, cache_rows)
 
 
 def decoder_layer(
@@ -107,9 +128,10 @@ def decoder_layer(
     fresh: bool = False,
     products=None,
     key_block: int | None = None,
+    cache_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """One pre-norm block: x + attention(norm(x)), then + swiglu(norm(x)). x: [B, T, D].
-    segment_ids, lora, fresh: see `forward` (lora: this layer's slices); einsum: how the projections run;
+    segment_ids, lora, fresh, cache_rows: see `forward` (lora: this layer's slices); einsum: how the projections run;
     products: how attention's products run with a cache (`ops.attention`'s; None: jnp.einsum); key_block: how much
     of the cache attention reads (`ops.attention`'s)."""
     rope_positions = jnp.maximum(positions, 0)
@@ -125,8 +147,9 @@ def decoder_layer(
             mixed = jax.checkpoint(functools.partial(attention, causal=True))(q, keys, values, rope_positions,
                                                                          positions, window, segment_ids)
         else:
-            cache, keys, values = update_cache(cache, layer, keys, values, positions)
-            slot_positions = jnp.broadcast_to(jnp.arange(cache.max_len), (b, cache.max_len))  # slot i: position i
+            cache, cached_keys, cached_values = update_cache(cache, layer, keys, values, positions, cache_rows)
+            keys, values = attended(cached_keys, cached_values, keys, values, fresh, cache_rows)
+            slot_positions = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))  # slot i: position i
             mixed = attention(q, keys, values, rope_positions, slot_positions, window, causal=fresh,
                               products=products, kv_heads=g, key_block=key_block)
         out = einsum("bthk,hkd->btd", mixed, lp.wo)
@@ -152,6 +175,7 @@ def forward(
     remat: bool = False,
     plan=None,
     fresh: bool = False,
+    cache_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Logits of the next token at each new position, and the updated cache.
 
@@ -170,6 +194,10 @@ def forward(
     products run through (`ops.matvec.einsum` for decode on XLA:CPU). None: `ops.quantized.einsum`.
     fresh (with a cache): each row's tokens are its positions 0, 1, .. in order (a prompt's first chunk; padding
     after them), so its attention runs causal over them (`ops.attention`'s causal), as a forward without a cache does.
+    cache_rows (with a cache): [B * G], the cache row of each row's key/value head g at b * G + g (past the cache
+    for a padding row: it writes nothing), for a cache of other rows than the tokens' (a serving state's
+    slots): the new keys and values are written there and nowhere else, and attention reads those rows (a fresh
+    chunk only its own keys). None: row b's are cache rows b * G ...
     The embedding, the head and the projections may be quantized (`models.params.quantize_params`).
     Returns (float32 logits [B, T, V] or [B, 1, V], cache).
     """
@@ -182,7 +210,8 @@ def forward(
     einsum = quantized.einsum if plan is None else plan.step_einsum(t)
     products = None if plan is None else plan.attention_products(config.num_heads // config.num_kv_heads * t, t)
     key_block = None if plan is None else plan.attention_key_block(t)
-    layer_fn = functools.partial(decoder_layer, einsum=einsum, fresh=fresh, products=products, key_block=key_block)
+    layer_fn = functools.partial(decoder_layer, einsum=einsum, fresh=fresh, products=products, key_block=key_block,
+                                 cache_rows=cache_rows)
     if cache is not None or isinstance(params.layers, tuple) or not (lora is None or lora.layer_major):
         layer_fn = jax.checkpoint(layer_fn, static_argnums=(2, 4, 5)) if remat else layer_fn  # unrolled: static ints
         for layer in range(config.num_layers):
