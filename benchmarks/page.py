@@ -34,6 +34,7 @@ sys.path.insert(0, str(HERE))  # the benchmark scripts, imported for their regis
 import decode  # noqa: E402
 import harness  # noqa: E402
 import serve  # noqa: E402
+import speculative  # noqa: E402
 import train  # noqa: E402
 
 QUICK_SKIP = "skipped in quick mode"
@@ -54,7 +55,8 @@ class Kind:
     compares: str = ""
 
 
-GROUPS = ("JAX", "PyTorch", "llama.cpp", "Serving many requests", "Fine-tuning", "Other")
+GROUPS = ("JAX", "PyTorch", "llama.cpp", "Speculative decoding", "Serving many requests", "Serving shared prefixes",
+          "Fine-tuning", "Other")
 DECODE_PEERS = ("llama_cpp_f32", "transformers_compiled", "transformers")
 KINDS = {
     ("decode", "linnet_jax"): Kind("JAX", True, DECODE_PEERS, "decode"),
@@ -76,6 +78,12 @@ KINDS = {
     ("serve", "generate_sequential"): Kind("Serving many requests", True),
     ("serve", "vllm_served"): Kind("Serving many requests"),
     ("serve", "transformers_batched"): Kind("Serving many requests"),
+    ("prefix", "linnet_jax_served"): Kind("Serving shared prefixes", True,
+                                          ("vllm_served", "linnet_jax_served_no_prefix_cache"), "serve"),
+    ("prefix", "linnet_jax_served_no_prefix_cache"): Kind("Serving shared prefixes", True),
+    ("prefix", "vllm_served"): Kind("Serving shared prefixes"),
+    **{("speculative", mode): Kind("Speculative decoding", True, ("plain",) if mode != "plain" else (), "decode")
+       for mode in speculative.MODES},
     ("train", "linnet_jax full"): Kind("Fine-tuning", True, ("transformers full",), "train"),
     ("train", "linnet_jax LoRA r=8"): Kind("Fine-tuning", True, ("transformers LoRA r=8",), "train"),
     ("train", "linnet_jax QLoRA r=8 (int8)"): Kind("Fine-tuning", True, ("transformers LoRA r=8",), "train"),
@@ -87,6 +95,7 @@ KINDS = {
 PEER_NAMES = {"llama_cpp_f32": "llama.cpp f32", "llama_cpp_q8_0": "llama.cpp Q8_0", "transformers_compiled": "transformers, compiled",
               "transformers": "transformers eager", "vllm_served": "vLLM",
               "transformers_batched": "transformers batched", "transformers full": "transformers",
+              "linnet_jax_served_no_prefix_cache": "--no-prefix-cache", "plain": "plain decoding",
               "transformers LoRA r=8": "transformers + PEFT", "TRL DPO LoRA r=8": "TRL + PEFT"}
 REFERENCES = {("decode", "transformers"), ("train", "transformers full"), ("train", "transformers LoRA r=8"),
               ("train", "TRL DPO LoRA r=8")}
@@ -103,8 +112,9 @@ def kind(section: str, name: str) -> Kind:
 
 @dataclasses.dataclass(frozen=True)
 class Section:
-    """One benchmark script: its registry of rows (name -> label), the flag that picks rows, and its arguments
-    for the full protocol and for quick mode (the model path comes after those)."""
+    """One benchmark script: its registry of rows (name -> label), the flag that picks rows, its arguments in
+    every mode (`protocol`) and those added in quick mode (the model path comes after those), and whether it
+    takes --vllm-venv."""
 
     name: str
     title: str
@@ -112,12 +122,14 @@ class Section:
     rows: dict[str, str]
     pick: str
     quick: tuple[str, ...]
+    protocol: tuple[str, ...] = ()
+    takes_vllm: bool = False
 
     def arguments(self, args: argparse.Namespace, model: Path | None) -> list[str]:
         """The script's arguments besides the rows and --json."""
         quick = [*self.quick, "--model-path", str(model)] if model else []
-        vllm = ["--vllm-venv", str(args.vllm_venv)] if self.name == "serve" and args.vllm_venv else []
-        return [*quick, *vllm, "--no-write"]
+        vllm = ["--vllm-venv", str(args.vllm_venv)] if self.takes_vllm and args.vllm_venv else []
+        return [*self.protocol, *quick, *vllm, "--no-write"]
 
     def asked(self, quick: bool) -> list[str]:
         """The rows to run: all, or linnet_jax's own in quick mode."""
@@ -127,10 +139,17 @@ class Section:
 SECTIONS = {s.name: s for s in (
     Section("decode", "Decode, batch 1", "decode.py", {n: cls.label for n, cls in decode.SYSTEMS.items()},
             "--systems", ("--runs", "1", "--warmups", "0", "--new-tokens", "4", "--prompt-tokens", "16")),
-    Section("serve", "Serving", "serve.py",
-            {n: serve.SERVERS[n].label if n in serve.SERVERS else serve.OFFLINE[n] for n in serve.ROWS},
+    Section("speculative", "Speculative decoding, batch 1", "speculative.py",
+            {mode: speculative.label(mode) for mode in speculative.MODES}, "--modes",
+            ("--runs", "1", "--new-tokens", "8", "--prompts", "1")),
+    Section("serve", "Serving", "serve.py", {n: serve.label(n, "mixed") for n in serve.WORKLOAD_ROWS["mixed"]},
             "--systems", ("--requests", "2", "--new-tokens", "4", "--concurrency", "2", "--slots", "2",
-                          "--max-len", "64", "--prompt-lengths", "16-48")),
+                          "--max-len", "64", "--prompt-lengths", "16-48"), takes_vllm=True),
+    Section("prefix", "Serving prompts that share prefixes", "serve.py",
+            {n: serve.label(n, "prefix") for n in serve.WORKLOAD_ROWS["prefix"]}, "--systems",
+            ("--requests", "4", "--new-tokens", "4", "--concurrency", "2", "--slots", "2", "--max-len", "192",
+             "--prefixes", "1", "--prefix-len", "128", "--suffix-len", "16"),
+            protocol=("--workload", "prefix", "--new-tokens", "32"), takes_vllm=True),
     Section("train", "Fine-tuning", "train.py", {n: n for n in train.ROWS},
             "--rows", ("--steps", "1", "--warmups", "0", "--batch", "1", "--seq-len", "16")),
 )}
@@ -187,7 +206,7 @@ def run_section(section: Section, args: argparse.Namespace, model: Path | None, 
     skipped = QUICK_SKIP if args.quick else "not run"
     payload["rows"] += [{"name": n, "label": label, "error": skipped} for n, label in section.rows.items()
                         if n not in asked]
-    payload |= {"command": shown, "quick": args.quick, "duration_s": duration_s}
+    payload |= {"section": section.name, "command": shown, "quick": args.quick, "duration_s": duration_s}
     path = results / f"{section.name}.json"
     path.write_text(json.dumps(payload, indent=1, ensure_ascii=False) + "\n")
     print(f"[page] {section.name}: {payload['duration_s']:.0f} s, saved {path}", file=sys.stderr)
@@ -289,9 +308,9 @@ def decode_entry(row: dict, protocol: dict) -> Entry:
     return entry
 
 
-def serve_entry(row: dict, protocol: dict) -> Entry:
-    """A serve.py row."""
-    entry = Entry("serve", row["name"], row["label"], present({
+def serve_entry(row: dict, protocol: dict, section: str = "serve") -> Entry:
+    """A serve.py row (of the serve or the prefix section)."""
+    entry = Entry(section, row["name"], row["label"], present({
         "serve": row.get("tok_s"), "serve-ttft": row.get("ttft_p50_s") and row["ttft_p50_s"] * 1e3,
         "load": row.get("load_s"), "memory": row.get("rss_gib")}))
     entry.distance = "not compared" if entry.values else "–"
@@ -299,6 +318,10 @@ def serve_entry(row: dict, protocol: dict) -> Entry:
         entry.notes.append(f"greedy check: {row['check']}")
     if row.get("tpot_p50_s") is not None:
         entry.notes.append(f"TPOT p50 {significant(row['tpot_p50_s'] * 1e3)} ms")
+    if row.get("ttft_p99_s") is not None:
+        entry.notes.append(f"TTFT p99 {significant(row['ttft_p99_s'] * 1e3)} ms")
+    if row.get("prefix_hit_rate") is not None:
+        entry.notes.append(f"prefix cache hit rate {row['prefix_hit_rate']:.1%}")
     if entry.values:
         entry.notes += row.get("notes", [])
     return entry
@@ -315,7 +338,21 @@ def train_entry(row: dict, protocol: dict) -> Entry:
     return entry
 
 
-ENTRIES = {"decode": decode_entry, "serve": serve_entry, "train": train_entry}
+def speculative_entry(row: dict, protocol: dict) -> Entry:
+    """A speculative.py row (one mode)."""
+    entry = Entry("speculative", row["name"], row["label"], present({"decode": row.get("decode_tok_s")}))
+    if row["name"] == "plain":
+        entry.distance = "the reference"
+    elif "identical" in row:
+        entry.distance = "ids identical to plain decoding" if row["identical"] else "ids DIFFER from plain decoding"
+    if row.get("acceptance") is not None:
+        entry.notes += [f"acceptance {row['acceptance']:.1%}",
+                        f"{row['tokens_per_dispatch']:.2f} tokens per verify dispatch"]
+    return entry
+
+
+ENTRIES = {"decode": decode_entry, "speculative": speculative_entry, "serve": serve_entry,
+           "prefix": lambda row, protocol: serve_entry(row, protocol, "prefix"), "train": train_entry}
 
 
 def entries_of(payload: dict) -> list[Entry]:
@@ -523,7 +560,7 @@ def render(payloads: list[dict], charts: dict[str, Path], entries: list[Entry], 
         "",
         "Every row this machine can run, each system in a process of its own, in one table and as charts; the "
         "protocol is at the end, and what each change bought is in [RESULTS.md](RESULTS.md). Regenerate with "
-        "`python benchmarks/page.py` (`--sections decode,serve,train`, `--render-only`, `--quick --out DIR`).",
+        f"`python benchmarks/page.py` (`--sections {','.join(SECTIONS)}`, `--render-only`, `--quick --out DIR`).",
         "",
         "## Where and with what",
         "",

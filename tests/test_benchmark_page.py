@@ -69,6 +69,11 @@ OURS = {  # label -> the figures (column, unit) quick mode must have measured
     "linnet_jax LoRA r=8": [("Fine-tuning throughput", "tok/s")],
     "linnet_jax QLoRA r=8 (int8)": [("Fine-tuning throughput", "tok/s")],
     "linnet_jax DPO LoRA r=8": [("Fine-tuning throughput", "tok/s")],
+    "linnet_jax `generate()`, plain decoding (repeat/edit prompts)": [("Decode speed", "tok/s")],
+    "linnet_jax `generate()`, n-gram speculative, k=4 (repeat/edit prompts)": [("Decode speed", "tok/s")],
+    "linnet_jax served (`linnet-jax serve`), shared prefixes": [("Serving throughput", "tok/s"),
+                                                                ("Serving time to first token", "ms")],
+    "linnet_jax served, `--no-prefix-cache`, shared prefixes": [("Serving throughput", "tok/s")],
 }
 
 
@@ -82,11 +87,31 @@ def test_quick_page_has_linnet_rows_with_numbers(quick_page):
         assert "failed" not in row["Notes"], (label, row["Notes"])
 
 
+def test_quick_page_has_speculative_and_prefix_cache_rows(quick_page):
+    """Speculative rows give plain decoding's ids with their acceptance; the prefix cache's row its hit rate
+    (4 prompts sharing one 128-id prefix: at least the 3 later ones' 128 ids hit) and its gain over the same server
+    with --no-prefix-cache, which looks nothing up."""
+    rows = every_number((quick_page / "README.md").read_text())
+    for k in (4, 8):
+        row = rows[f"linnet_jax `generate()`, n-gram speculative, k={k} (repeat/edit prompts)"]
+        assert row["Distance from reference"] == "ids identical to plain decoding", row
+        assert re.search(rf"acceptance {NUMBER}%", row["Notes"]), row
+        assert re.fullmatch(rf"{NUMBER}× plain decoding", row["Against the stack it replaces"]), row
+    cached = json.loads((quick_page / "results" / "prefix.json").read_text())["rows"]
+    by_name = {row["name"]: row for row in cached}
+    assert by_name["linnet_jax_served"]["prefix_hit_rate"] >= 3 * 128 / (4 * 144) - 1e-9
+    assert by_name["linnet_jax_served_no_prefix_cache"]["prefix_hit_rate"] is None
+    assert any("itself with `--no-prefix-cache`" in note for note in by_name["linnet_jax_served"]["notes"])
+    row = rows["linnet_jax served (`linnet-jax serve`), shared prefixes"]
+    assert re.search(rf"prefix cache hit rate {NUMBER}%", row["Notes"]) and "equal" in row["Notes"], row
+    assert re.fullmatch(rf"{NUMBER}× --no-prefix-cache", row["Against the stack it replaces"]), row
+
+
 def test_quick_page_marks_every_peer(quick_page):
     rows = every_number((quick_page / "README.md").read_text())
     peers = [label for section in page.SECTIONS.values() for name, label in section.rows.items()
              if not page.kind(section.name, name).ours]
-    assert len(peers) >= 8  # transformers ×2, llama.cpp ×3, vLLM, transformers batched, transformers fine-tuning ×2
+    assert len(peers) >= 9  # transformers ×2, llama.cpp ×3, vLLM ×2, transformers batched, transformers fine-tuning ×2
     for label in peers:
         row = rows[label]
         assert "skipped in quick mode" in row["Notes"], (label, row)
