@@ -1,11 +1,12 @@
 """The benchmark page: run every row this machine can run, then write benchmarks/README.md and its charts.
 
-    python benchmarks/page.py --vllm-venv /work/vllm-cpu    # every section (1.5 hours on 2 cores), then the page
+    python benchmarks/page.py --vllm-venv /work/vllm-cpu    # every section (1.7 hours on 2 cores), then the page
     python benchmarks/page.py --sections serve ...           # one section again; the others' saved rows stay
     python benchmarks/page.py --render-only                  # the page again from benchmarks/results/*.json
     python benchmarks/page.py --quick --out /tmp/page        # tiny random model, one run, no peers (the suite's check)
 
-A section is one of the benchmark scripts (`decode.py`, `serve.py`, `train.py`), run as it is with `--json`: it
+A section is one of the benchmark scripts (`decode.py`, `speculative.py`, `serve.py` on its mixed workload and on
+prompts sharing prefixes, `train.py`), run as it is with `--json`: it
 runs each of its systems in a process of its own, and this file saves its rows as `results/<section>.json`
 (with rows for the systems it was not asked to run, marked so). The page is rendered from those files only:
 the machine and versions each section ran with, the protocol (`protocol.md`), one PNG bar chart per figure
@@ -79,10 +80,10 @@ KINDS = {
     ("serve", "vllm_served"): Kind("Serving many requests"),
     ("serve", "transformers_batched"): Kind("Serving many requests"),
     ("prefix", "linnet_jax_served"): Kind("Serving shared prefixes", True,
-                                          ("vllm_served", "linnet_jax_served_no_prefix_cache"), "serve"),
+                                          ("vllm_served", "linnet_jax_served_no_prefix_cache"), "prefix"),
     ("prefix", "linnet_jax_served_no_prefix_cache"): Kind("Serving shared prefixes", True),
     ("prefix", "vllm_served"): Kind("Serving shared prefixes"),
-    **{("speculative", mode): Kind("Speculative decoding", True, ("plain",) if mode != "plain" else (), "decode")
+    **{("speculative", mode): Kind("Speculative decoding", True, ("plain",) if mode != "plain" else (), "speculative")
        for mode in speculative.MODES},
     ("train", "linnet_jax full"): Kind("Fine-tuning", True, ("transformers full",), "train"),
     ("train", "linnet_jax LoRA r=8"): Kind("Fine-tuning", True, ("transformers LoRA r=8",), "train"),
@@ -142,14 +143,14 @@ SECTIONS = {s.name: s for s in (
     Section("speculative", "Speculative decoding, batch 1", "speculative.py",
             {mode: speculative.label(mode) for mode in speculative.MODES}, "--modes",
             ("--runs", "1", "--new-tokens", "8", "--prompts", "1")),
-    Section("serve", "Serving", "serve.py", {n: serve.label(n, "mixed") for n in serve.WORKLOAD_ROWS["mixed"]},
+    Section("serve", "Serving", "serve.py", {n: serve.label(n, "mixed") for n in serve.WORKLOADS["mixed"].rows},
             "--systems", ("--requests", "2", "--new-tokens", "4", "--concurrency", "2", "--slots", "2",
                           "--max-len", "64", "--prompt-lengths", "16-48"), takes_vllm=True),
     Section("prefix", "Serving prompts that share prefixes", "serve.py",
-            {n: serve.label(n, "prefix") for n in serve.WORKLOAD_ROWS["prefix"]}, "--systems",
+            {n: serve.label(n, "prefix") for n in serve.WORKLOADS["prefix"].rows}, "--systems",
             ("--requests", "4", "--new-tokens", "4", "--concurrency", "2", "--slots", "2", "--max-len", "192",
              "--prefixes", "1", "--prefix-len", "128", "--suffix-len", "16"),
-            protocol=("--workload", "prefix", "--new-tokens", "32"), takes_vllm=True),
+            protocol=("--workload", "prefix"), takes_vllm=True),
     Section("train", "Fine-tuning", "train.py", {n: n for n in train.ROWS},
             "--rows", ("--steps", "1", "--warmups", "0", "--batch", "1", "--seq-len", "16")),
 )}
@@ -230,8 +231,10 @@ class Metric:
 METRICS = (
     Metric("ttft", "Time to first token", "ms", True),
     Metric("decode", "Decode speed", "tok/s", False),
+    Metric("speculative", "Decode speed, repeat/edit prompts", "tok/s", False),
     Metric("serve", "Serving throughput", "tok/s", False),
     Metric("serve-ttft", "Serving time to first token", "ms", True),
+    Metric("prefix", "Serving throughput, shared prefixes", "tok/s", False),
     Metric("train", "Fine-tuning throughput", "tok/s", False),
     Metric("load", "Load time", "s", True),
     Metric("memory", "Peak memory (RSS)", "GiB", True),
@@ -309,13 +312,17 @@ def decode_entry(row: dict, protocol: dict) -> Entry:
 
 
 def serve_entry(row: dict, protocol: dict, section: str = "serve") -> Entry:
-    """A serve.py row (of the serve or the prefix section)."""
-    entry = Entry(section, row["name"], row["label"], present({
-        "serve": row.get("tok_s"), "serve-ttft": row.get("ttft_p50_s") and row["ttft_p50_s"] * 1e3,
-        "load": row.get("load_s"), "memory": row.get("rss_gib")}))
+    """A serve.py row: of the serve section, or of the prefix section (its throughput a figure of its own, its
+    TTFT p50 a note)."""
+    ttft_ms = row.get("ttft_p50_s") and row["ttft_p50_s"] * 1e3
+    figures = {"serve": row.get("tok_s"), "serve-ttft": ttft_ms} if section == "serve" else {"prefix": row.get("tok_s")}
+    entry = Entry(section, row["name"], row["label"], present({**figures, "load": row.get("load_s"),
+                                                               "memory": row.get("rss_gib")}))
     entry.distance = "not compared" if entry.values else "–"
     if row.get("check"):
         entry.notes.append(f"greedy check: {row['check']}")
+    if section == "prefix" and ttft_ms:
+        entry.notes.append(f"TTFT p50 {significant(ttft_ms)} ms")
     if row.get("tpot_p50_s") is not None:
         entry.notes.append(f"TPOT p50 {significant(row['tpot_p50_s'] * 1e3)} ms")
     if row.get("ttft_p99_s") is not None:
@@ -340,7 +347,7 @@ def train_entry(row: dict, protocol: dict) -> Entry:
 
 def speculative_entry(row: dict, protocol: dict) -> Entry:
     """A speculative.py row (one mode)."""
-    entry = Entry("speculative", row["name"], row["label"], present({"decode": row.get("decode_tok_s")}))
+    entry = Entry("speculative", row["name"], row["label"], present({"speculative": row.get("decode_tok_s")}))
     if row["name"] == "plain":
         entry.distance = "the reference"
     elif "identical" in row:

@@ -7,10 +7,13 @@ submitted at once; SmolLM2-135M-Instruct float32; 16 slots (sequences) of 640 po
     python benchmarks/serve.py --vllm-venv /work/vllm-cpu        # the full protocol; rewrites RESULTS.md's table
     python benchmarks/serve.py --requests 4 --new-tokens 8 --systems linnet_jax_served --no-write
     python benchmarks/serve.py ... --json serve.json   # also the rows as JSON (benchmarks/page.py renders them)
+    python benchmarks/serve.py --workload prefix --vllm-venv /work/vllm-cpu   # prompts sharing prefixes (below)
 
-Rows, each system in its own process (tree), one after the other:
+Rows, each system in its own process (tree), one after the other (`--systems`; by default all but
+`linnet_jax_served_no_prefix_cache`):
 - `linnet_jax_served`: `linnet-jax serve --slots 16 --max-len 640` (this Python's linnet_jax; with `--replicas N`,
   N replicas on Ray Serve behind Ray's proxy, `--slots` each);
+- `linnet_jax_served_no_prefix_cache`: the same with `--no-prefix-cache`;
 - `vllm_served`: `vllm serve` from the `vllm-cpu` venv, float32, `--max-num-seqs 16 --max-model-len 640`, on
   linnet_jax's own HF export (`linnet_jax.export.hf`) of the model;
 - `generate_sequential`: linnet_jax's `generate()` over the same requests, one after the other (max_len 640);
@@ -30,6 +33,12 @@ warm-up generation for the offline rows (compiling each prompt bucket for `gener
 sum of resident memory over the server's process tree (sampled every 0.2 s), or the worker's own peak (VmHWM).
 Greedy check: a short text prompt's ids, 16 greedy tokens, eos ignored, compared with linnet_jax's `generate()`
 (vLLM's `return_token_ids`; the text when a server returns no ids).
+
+`--workload prefix` (the page's "shared prefixes" section): prompts built as vLLM's `prefix_repetition` dataset
+builds them, --prefixes (4) random prefixes of --prefix-len (512) ids, each request one of them and --suffix-len
+(32) ids of its own, shuffled; 32 new tokens by default; rows `linnet_jax_served`, `linnet_jax_served_no_prefix_cache`
+and `vllm_served` (its prefix caching on, its default). linnet_jax's rows count the prefix cache's hit rate over the
+timed run (`/metrics`), and the cached row notes its throughput over the uncached one's (issue 18: ≥ 2×).
 
 vLLM lives in its own venv (`--vllm-venv`, default ~/.cache/linnet_jax/vllm-cpu); `--install-vllm` creates it
 (see `install_vllm`). A peer that is not installed is a row that says so and how to install it.
@@ -59,8 +68,6 @@ from harness import (RESULTS, TORCH_INSTALL, TORCH_THREADS, RssSampler, code_ver
                      missing_modules, no_figures, peak_rss_gib, percentile, ratio, reply_once, run_worker, timed,
                      write_json, write_results)
 
-MARKS = {"mixed": ("<!-- serve-table:start -->", "<!-- serve-table:end -->"),
-         "prefix": ("<!-- prefix-table:start -->", "<!-- prefix-table:end -->")}
 PREFIX_METRICS = ("linnet_jax_prefix_cache_hit_tokens_total", "linnet_jax_prefix_cache_lookup_tokens_total")
 BASELINE = "linnet_jax_served"
 VLLM_VERSION = "0.32.0"
@@ -334,9 +341,15 @@ def prefix_counters(url: str) -> dict[str, float]:
     return found
 
 
+def prefix_delta(before: dict[str, float], after: dict[str, float]) -> tuple[float, float]:
+    """(hit tokens, looked-up tokens) between two prefix_counters readings."""
+    hit, lookup = (after.get(n, 0) - before.get(n, 0) for n in PREFIX_METRICS)
+    return hit, lookup
+
+
 def hit_rate(before: dict[str, float], after: dict[str, float]) -> float | None:
     """Hit tokens over looked-up tokens between two prefix_counters readings; None where nothing was looked up."""
-    hit, lookup = (after.get(n, 0) - before.get(n, 0) for n in PREFIX_METRICS)
+    hit, lookup = prefix_delta(before, after)
     return hit / lookup if lookup else None
 
 
@@ -550,8 +563,12 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def goals(rows: list[Row]) -> list[str]:
-    """Issue 10's goals: ≥ 1.2× vLLM's throughput with TTFT p99 no worse, ≥ 4× sequential generate()."""
+def goals(rows: list[Row], workload: str) -> list[str]:
+    """Issue 10's goals on the mixed workload: ≥ 1.2× vLLM's throughput with TTFT p99 no worse, ≥ 4× sequential
+    generate(); on shared prefixes, the prefix cache's hit rate (its goal is a note of the row)."""
+    if workload == "prefix":
+        return [f"- {r.label}: prefix cache hit rate {r.prefix_hit_rate:.1%}" for r in rows
+                if r.prefix_hit_rate is not None]
     by = {r.name: r for r in rows if r.tok_s}
     base, lines = by.get(BASELINE), []
     if base and (vllm := by.get("vllm_served")):
@@ -579,7 +596,7 @@ def report(rows: list[Row], args: argparse.Namespace, command: str) -> str:
     """The markdown section: a dated heading, where and how, the table, the goals, how to read it."""
     now = datetime.datetime.now()
     return "\n".join([
-        f"## Serving, {now:%Y-%m-%d}: SmolLM2-135M-Instruct float32, {workload_text(args)} "
+        f"## {WORKLOADS[args.workload].title}, {now:%Y-%m-%d}: SmolLM2-135M-Instruct float32, {workload_text(args)} "
         f"+ {args.new_tokens} new, ≤ {args.concurrency} in flight, {args.slots} slots of {args.max_len}",
         "",
         f"Measured {now:%Y-%m-%d %H:%M} on {machine()}; linnet_jax at {code_version()}; one run per system, "
@@ -588,7 +605,7 @@ def report(rows: list[Row], args: argparse.Namespace, command: str) -> str:
         "",
         table(rows),
         "",
-        *goals(rows),
+        *goals(rows, args.workload),
         *notes(rows),
         "",
         "Generated tok/s: completion tokens / wall time of the workload (all requests submitted at once). TTFT: to "
@@ -604,8 +621,29 @@ def report(rows: list[Row], args: argparse.Namespace, command: str) -> str:
 
 
 ROWS = [*SERVERS, *OFFLINE]
-WORKLOAD_ROWS = {"mixed": [LinnetServed.name, VllmServed.name, *OFFLINE],  # a workload's rows by default
-                 "prefix": [LinnetServed.name, LinnetServedNoPrefixCache.name, VllmServed.name]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A workload's rows by default, its new tokens by default, its options (those of the other left out of the
+    protocol), its heading, the page section its JSON is, and the markers of its block in RESULTS.md."""
+
+    rows: tuple[str, ...]
+    new_tokens: int
+    options: tuple[str, ...]
+    title: str
+    section: str
+
+    @property
+    def marks(self) -> tuple[str, str]:
+        return f"<!-- {self.section}-table:start -->", f"<!-- {self.section}-table:end -->"
+
+
+WORKLOADS = {
+    "mixed": Workload((LinnetServed.name, VllmServed.name, *OFFLINE), 128, ("prompt_lengths",), "Serving", "serve"),
+    "prefix": Workload((LinnetServed.name, LinnetServedNoPrefixCache.name, VllmServed.name), 32,
+                       ("prefixes", "prefix_len", "suffix_len"), "Serving shared prefixes", "prefix"),
+}
 
 
 def label(name: str, workload: str) -> str:
@@ -617,7 +655,8 @@ def label(name: str, workload: str) -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=64, help="requests in the workload (default 64)")
-    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request (default 128)")
+    parser.add_argument("--new-tokens", type=int,
+                        help="tokens generated per request (default 128; 32 with --workload prefix)")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight at most (default 16)")
     parser.add_argument("--slots", type=int, default=16, help="server slots / sequences (default 16)")
     parser.add_argument("--max-len", type=int, default=640, help="positions per slot (default 640)")
@@ -626,7 +665,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--replica-cpus", type=float, default=None, help="with --replicas: Ray CPUs per replica")
     parser.add_argument("--prompt-lengths", type=lambda s: tuple(map(int, s.split("-"))), default=(128, 512),
                         metavar="MIN-MAX", help="prompt lengths, uniform in MIN..MAX (default 128-512)")
-    parser.add_argument("--workload", choices=list(WORKLOAD_ROWS), default="mixed",
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="mixed",
                         help="mixed: prompts of random lengths (the protocol); prefix: prompts sharing prefixes, "
                              "as vLLM's prefix_repetition dataset (default mixed)")
     parser.add_argument("--prefixes", type=int, default=4, help="--workload prefix: distinct prefixes (default 4)")
@@ -634,7 +673,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--suffix-len", type=int, default=32,
                         help="--workload prefix: a request's own ids after its prefix (default 32)")
     parser.add_argument("--systems", type=lambda s: s.split(","),
-                        help=f"comma-separated, from {','.join(ROWS)} (default: the workload's, {WORKLOAD_ROWS})")
+                        help=f"comma-separated, from {','.join(ROWS)} (default: the workload's, "
+                             f"{ {name: ','.join(w.rows) for name, w in WORKLOADS.items()} })")
     parser.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("LINNET_VLLM_VENV", DEFAULT_VLLM_VENV)),
                         help="the venv holding vllm-cpu (default $LINNET_VLLM_VENV or %(default)s)")
     parser.add_argument("--install-vllm", action="store_true", help="create --vllm-venv first if it is missing")
@@ -645,7 +685,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--hf-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.systems = args.systems or WORKLOAD_ROWS[args.workload]
+    args.systems = args.systems or list(WORKLOADS[args.workload].rows)
+    args.new_tokens = args.new_tokens or WORKLOADS[args.workload].new_tokens
     if unknown := [s for s in args.systems if s not in ROWS]:
         parser.error(f"unknown system(s) {unknown}; known: {ROWS}")
     if args.new_tokens < 2 or args.requests < 1 or args.concurrency < 1:
@@ -654,6 +695,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--prompt-lengths wants MIN-MAX with 1 ≤ MIN ≤ MAX, not {args.prompt_lengths}")
     if min(args.prefixes, args.prefix_len, args.suffix_len) < 1:
         parser.error("need --prefixes, --prefix-len and --suffix-len ≥ 1")
+    longest = args.prefix_len + args.suffix_len if args.workload == "prefix" else args.prompt_lengths[1]
+    if longest + args.new_tokens > args.max_len:
+        parser.error(f"the longest prompt ({longest} ids) + --new-tokens {args.new_tokens} do not fit --max-len "
+                     f"{args.max_len}: every server would refuse or cut those requests")
     return args
 
 
@@ -698,10 +743,11 @@ def main(argv: list[str]) -> None:
     section = report(rows, args, command)
     print(section)
     if args.json:
-        write_json(args.json, "serve", [row.summary() for row in rows], args, command,
-                   skip=("json", "no_write", "worker", "hf_dir", "vllm_dist_info", "install_vllm"))
+        other = [option for name, w in WORKLOADS.items() if name != args.workload for option in w.options]
+        write_json(args.json, WORKLOADS[args.workload].section, [row.summary() for row in rows], args, command,
+                   skip=("json", "no_write", "worker", "hf_dir", "vllm_dist_info", "install_vllm", *other))
     if not args.no_write:
-        write_results(section, marks=MARKS[args.workload])
+        write_results(section, marks=WORKLOADS[args.workload].marks)
         print(f"\nwritten to {RESULTS}", file=sys.stderr)
 
 

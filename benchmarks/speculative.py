@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import command_line, write_json, write_results
+from harness import command_line, fmt, ratio, write_json, write_results
 
 MARKS = ("<!-- speculative-table:start -->", "<!-- speculative-table:end -->")
 MODES = ("plain", "ngram_k4", "ngram_k8")
@@ -112,7 +112,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=256, help="max_new_tokens (default 256)")
     parser.add_argument("--max-len", type=int, default=640, help="cache positions of every call (default 640)")
     parser.add_argument("--runs", type=int, default=3, help="timed rounds after the warm-up (default 3)")
-    parser.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES),
+    parser.add_argument("--modes", type=lambda s: list(dict.fromkeys(s.split(","))), default=list(MODES),
                         help=f"comma-separated: plain (needed: the reference) and ngram_kK for K drafts "
                              f"(default {','.join(MODES)})")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="use the first N prompts (default all)")
@@ -176,8 +176,8 @@ def rows(args, ids, counters, decoded) -> list[dict]:
     made = []
     for mode in args.modes:
         c = counters[mode]
-        row = {"name": mode, "label": label(mode), "decode_tok_s": rate[mode], "speedup": rate[mode] / rate["plain"],
-               "identical": all(ids[n, mode] == ids[n, "plain"] for n in decoded)}
+        row = {"name": mode, "label": label(mode), "decode_tok_s": rate[mode],
+               "speedup": ratio(rate[mode], rate["plain"]), "identical": all(ids[n, mode] == ids[n, "plain"] for n in decoded)}
         if mode != "plain":
             row |= {"acceptance": c.accepted / max(c.proposed, 1), "tokens_per_dispatch": c.emitted / max(c.calls, 1),
                     "verify_dispatches": c.calls, "drafts_proposed": c.proposed, "drafts_accepted": c.accepted}
@@ -185,25 +185,29 @@ def rows(args, ids, counters, decoded) -> list[dict]:
     return made
 
 
+def markdown_row(cells: list) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
 def report(args, ttft, ids, decoded, made: list[dict], command: str) -> str:
     """The markdown: per prompt and overall decode tok/s by mode, then each speculative mode's acceptance."""
     speculative = [row for row in made if row["name"] != "plain"]
+    header = ["prompt", "new tokens", "TTFT", *(f"{m} tok/s" for m in args.modes),
+              *(f"{row['name']} ×" for row in speculative), "ids identical"]
     lines = [f"SmolLM2-135M-Instruct float32, batch 1, greedy, ≤ {args.new_tokens} new tokens, max_len {args.max_len}, "
-             f"median of {args.runs} after a warm-up. Command: `{command}`", "",
-             "| prompt | new tokens | TTFT | " + " | ".join(f"{m} tok/s" for m in args.modes) + " | "
-             + " | ".join(f"{row['name']} ×" for row in speculative) + " | ids identical |",
-             "|---" * (3 + len(args.modes) + len(speculative) + 1) + "|"]
+             f"median of {args.runs} after a warm-up. Command: `{command}`", "", markdown_row(header),
+             "|---" * len(header) + "|"]
     for name, by_mode in decoded.items():
         rates = {mode: tokens / seconds for mode, (tokens, seconds) in by_mode.items()}
         same = all(ids[name, mode] == ids[name, "plain"] for mode in args.modes)
-        lines.append(f"| {name} | {len(ids[name, 'plain'])} | {statistics.median(ttft[name]) * 1e3:,.0f} ms | "
-                     + " | ".join(f"{rates[m]:.1f}" for m in args.modes) + " | "
-                     + " | ".join(f"{rates[row['name']] / rates['plain']:.2f}×" for row in speculative)
-                     + f" | {'yes' if same else 'NO'} |")
-    lines.append(f"| all | {sum(len(ids[n, 'plain']) for n in decoded)} | – | "
-                 + " | ".join(f"{row['decode_tok_s']:.1f}" for row in made) + " | "
-                 + " | ".join(f"{row['speedup']:.2f}×" for row in speculative) + " | "
-                 + ("yes" if all(row["identical"] for row in made) else "NO") + " |")
+        lines.append(markdown_row([name, len(ids[name, "plain"]), f"{statistics.median(ttft[name]) * 1e3:,.0f} ms",
+                                   *(f"{rates[m]:.1f}" for m in args.modes),
+                                   *(fmt(ratio(rates[row["name"]], rates["plain"]), "{:.2f}×") for row in speculative),
+                                   "yes" if same else "NO"]))
+    lines.append(markdown_row(["all", sum(len(ids[n, "plain"]) for n in decoded), "–",
+                               *(f"{row['decode_tok_s']:.1f}" for row in made),
+                               *(fmt(row["speedup"], "{:.2f}×") for row in speculative),
+                               "yes" if all(row["identical"] for row in made) else "NO"]))
     lines += ["", "| mode | verify dispatches | tokens per dispatch | drafts proposed | accepted | acceptance |",
               "|---|---|---|---|---|---|"]
     lines += [f"| {row['name']} | {row['verify_dispatches']} | {row['tokens_per_dispatch']:.2f} | "

@@ -99,7 +99,7 @@ def main(argv: list[str]) -> None:
                "load_s": round(load_s, 1), "peak_rss_gib": round(rss, 2) if rss else None,
                **{k: measured.get(k) for k in keys}}
     if before or after:
-        hit, lookup = (after.get(n, 0) - before.get(n, 0) for n in serve.PREFIX_METRICS)
+        hit, lookup = serve.prefix_delta(before, after)
         summary |= {"prefix_hit_tokens": hit, "prefix_lookup_tokens": lookup,
                     "prefix_hit_rate": serve.hit_rate(before, after)}
     print(json.dumps(summary, indent=1))

@@ -69,11 +69,9 @@ OURS = {  # label -> the figures (column, unit) quick mode must have measured
     "linnet_jax LoRA r=8": [("Fine-tuning throughput", "tok/s")],
     "linnet_jax QLoRA r=8 (int8)": [("Fine-tuning throughput", "tok/s")],
     "linnet_jax DPO LoRA r=8": [("Fine-tuning throughput", "tok/s")],
-    "linnet_jax `generate()`, plain decoding (repeat/edit prompts)": [("Decode speed", "tok/s")],
-    "linnet_jax `generate()`, n-gram speculative, k=4 (repeat/edit prompts)": [("Decode speed", "tok/s")],
-    "linnet_jax served (`linnet-jax serve`), shared prefixes": [("Serving throughput", "tok/s"),
-                                                                ("Serving time to first token", "ms")],
-    "linnet_jax served, `--no-prefix-cache`, shared prefixes": [("Serving throughput", "tok/s")],
+    "linnet_jax served (`linnet-jax serve`), shared prefixes": [("Serving throughput, shared prefixes", "tok/s"),
+                                                                ("Load time", "s")],
+    "linnet_jax served, `--no-prefix-cache`, shared prefixes": [("Serving throughput, shared prefixes", "tok/s")],
 }
 
 
@@ -88,12 +86,16 @@ def test_quick_page_has_linnet_rows_with_numbers(quick_page):
 
 
 def test_quick_page_has_speculative_and_prefix_cache_rows(quick_page):
-    """Speculative rows give plain decoding's ids with their acceptance; the prefix cache's row its hit rate
-    (4 prompts sharing one 128-id prefix: at least the 3 later ones' 128 ids hit) and its gain over the same server
-    with --no-prefix-cache, which looks nothing up."""
+    """Speculative rows (one process: no memory figure) give plain decoding's ids with their acceptance; the prefix
+    cache's row its hit rate (4 prompts sharing one 128-id prefix: at least the 3 later ones' 128 ids hit) and its
+    gain over the same server with --no-prefix-cache, which looks nothing up."""
     rows = every_number((quick_page / "README.md").read_text())
+    plain = rows["linnet_jax `generate()`, plain decoding (repeat/edit prompts)"]
+    assert measured(plain["Decode speed, repeat/edit prompts"], "tok/s") and plain["Distance from reference"] == (
+        "the reference"), plain
     for k in (4, 8):
         row = rows[f"linnet_jax `generate()`, n-gram speculative, k={k} (repeat/edit prompts)"]
+        assert measured(row["Decode speed, repeat/edit prompts"], "tok/s"), row
         assert row["Distance from reference"] == "ids identical to plain decoding", row
         assert re.search(rf"acceptance {NUMBER}%", row["Notes"]), row
         assert re.fullmatch(rf"{NUMBER}× plain decoding", row["Against the stack it replaces"]), row
