@@ -194,7 +194,7 @@ def test_missing_peers_are_rows_saying_how_to_install(monkeypatch, tmp_path):
     assert worker.measured.error == "not installed (no linnet_no_such_module): pip install linnet-no-such-package"
     monkeypatch.setitem(page.serve.OFFLINE_REQUIRES, "transformers_batched",
                         (("linnet_no_such_module",), "pip install it"))
-    row = page.serve.measure_offline("transformers_batched", None, tmp_path)
+    row = page.serve.measure_offline("transformers_batched", page.serve.parse_args([]), tmp_path)
     assert row.error == "not installed (no linnet_no_such_module): pip install it"
     assert page.status_of(row.error) == ("not installed", "(no linnet_no_such_module): pip install it")
 
