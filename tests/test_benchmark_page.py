@@ -222,3 +222,17 @@ def test_decode_roofline_counts_the_bytes_a_step_reads():
     assert page.decode.step_bytes(sizes) == pytest.approx(538.06e6 + 29.49e6, rel=1e-4)
     assert page.decode.step_bytes(sizes, page.decode.SYSTEMS["llama_cpp_f16"].weight_bytes) == pytest.approx(
         269.03e6 + 29.49e6, rel=1e-4)
+
+
+@pytest.mark.parametrize("script, argv, words", [
+    ("serve", ["--workload", "prefix", "--new-tokens", "128"], "the longest prompt (544 ids) + --new-tokens 128"),
+    ("serve", ["--prefix-len", "0"], "--prefix-len"),
+    ("speculative", ["--modes", "ngram_k4"], "with plain among them"),
+    ("speculative", ["--modes", "plain,ngram_4"], "ngram_kK"),
+])
+def test_benchmark_arguments_refuse_what_cannot_run(script, argv, words, capsys):
+    """A prefix workload that overflows --max-len, an empty prefix, speculative modes without plain decoding (the
+    reference) or with a malformed name: refused when parsed, naming what was wrong."""
+    with pytest.raises(SystemExit):
+        getattr(page, script).parse_args(argv)
+    assert words in capsys.readouterr().err
