@@ -82,7 +82,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-step-tokens", type=positive_int, default=None,
                        help="the most tokens one prefill dispatch carries (default prefill-batch x prefill-chunk)")
     serve.add_argument("--no-prefix-cache", action="store_true", help="recompute shared prompt prefixes every time")
-    serve.add_argument("--prefix-cache-gb", type=float, default=1.0, help="the prefix cache's size in GiB")
+    serve.add_argument("--prefix-cache-gb", type=positive_float, default=1.0, help="the prefix cache's size in GiB")
     serve.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                        help='n-gram speculative decoding, vLLM\'s names: \'{"method": "ngram", '
                             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')

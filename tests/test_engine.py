@@ -100,6 +100,9 @@ def test_queue_limit_and_bad_requests(tiny_dir):
             assert refused.value.field == field
     with pytest.raises(ValueError, match="slots must be a positive int"):
         Engine(model, slots=0)
+    for size in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="prefix_cache_gb must be a finite number > 0"):
+            Engine(model, prefix_cache_gb=size)
 
 
 def test_stop_strings_as_generate(smollm2):

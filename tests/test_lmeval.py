@@ -132,8 +132,22 @@ def test_echo_refusals(url):
         assert response.status_code in (400, 404) and response.json()["error"]["param"] == field, (body, response.text)
 
 
-def write_tasks(directory) -> None:
-    (directory / "choice.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+def greedy_question(model) -> dict:
+    """A question whose first choice is the model's most likely next token after it: lm-eval puts a space before a
+    choice, so that token is a space and a word, which the question's ids and the word encode back to."""
+    tokenizer = model.tokenizer
+    for context in ("The sea is", "Birds sang of", "A cat ran over the", "Seven quiet birds", "The cat ran"):
+        ids = tokenizer.encode(context, add_special_tokens=False)
+        token = int(np.argmax(linnet_jax.logits(model, ids)[0, -1]))
+        word = tokenizer.decode([token])
+        if word[:1] == " " and word[1:].isalpha() and tokenizer.encode(context + word, add_special_tokens=False) == [
+                *ids, token]:
+            return {"question": context, "choices": [word[1:], "seven"], "answer": 0}
+    pytest.fail("no question's likeliest next token is a space and a word")
+
+
+def write_tasks(directory, questions: list[dict] = QUESTIONS) -> None:
+    (directory / "choice.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
     (directory / "texts.jsonl").write_text("".join(json.dumps(t) + "\n" for t in TEXTS))
     for name, task in TASKS.items():
         spec = {"task": name, "dataset_path": "json", "test_split": "train", "output_type": task["output_type"],
@@ -144,12 +158,12 @@ def write_tasks(directory) -> None:
 
 def test_lm_eval_runs_its_three_request_kinds_against_the_server(tiny_chat, url, tmp_path):
     """Batches of 4 prompts per request; max_length 32 makes the longer text's rolling perplexity take
-    several windows."""
+    several windows; one choice is the model's own most likely next token, so lm-eval's greedy flags differ."""
     import lm_eval
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-    write_tasks(tmp_path)
+    write_tasks(tmp_path, QUESTIONS + [greedy_question(tiny_chat)])
     results = lm_eval.simple_evaluate(
         model="local-completions", tasks=list(TASKS), task_manager=TaskManager(include_path=str(tmp_path)),
         model_args={"base_url": f"{url}/v1/completions", "model": MODEL, "tokenizer_backend": "remote",
@@ -161,10 +175,20 @@ def test_lm_eval_runs_its_three_request_kinds_against_the_server(tiny_chat, url,
     def loglikelihood(context: list[int], continuation: list[int]) -> float:
         return direct_logprobs(tiny_chat, context + continuation)[len(context) - 1:].sum()
 
+    def greedy(context: list[int], continuation: list[int]) -> bool:
+        """Whether each continuation token is the most likely one after what precedes it (lm-eval's is_greedy)."""
+        logits = np.asarray(linnet_jax.logits(tiny_chat, [context + continuation])[0])
+        return bool(np.all(logits[len(context) - 1:-1].argmax(-1) == continuation))
+
+    flags = []
     for sample in results["samples"]["linnet_choice"]:
-        for (context, continuation), ((got, _),) in zip(sample["arguments"], sample["resps"]):
+        for (context, continuation), ((got, is_greedy),) in zip(sample["arguments"], sample["resps"]):
             context_ids = encode(context)
-            assert abs(got - loglikelihood(context_ids, encode(context + continuation)[len(context_ids):])) < 1e-3
+            continuation_ids = encode(context + continuation)[len(context_ids):]
+            assert abs(got - loglikelihood(context_ids, continuation_ids)) < 1e-3
+            assert is_greedy == greedy(context_ids, continuation_ids)
+            flags.append(is_greedy)
+    assert len(set(flags)) == 2, "some continuations are greedy and some are not"
     prefix = encode(tokenizer.bos_token or tokenizer.eos_token)[0]  # lm-eval's remote prefix token: BOS, else EOS
     windows = []
     for sample in results["samples"]["linnet_rolling"]:

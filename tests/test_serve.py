@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import linnet_jax
 from linnet_jax import generate
-from linnet_jax.cli import main
+from linnet_jax.cli import engine_options, main, parser
 from linnet_jax.serve import Engine, EngineFailed
 from linnet_jax.serve.app import create_app, serve
 from linnet_jax.serve.errors import field_path
@@ -659,9 +659,28 @@ def test_api_key_is_needed_everywhere_but_health(tiny_engine):
                                    ["--shutdown-deadline", "-1"], ["--shutdown-deadline", "inf"],
                                    ["--speculative-config", "{"], ["--speculative-config", '{"method": "eagle"}'],
                                    ["--prefill-chunk", "0"], ["--api-key", ""], ["--host", "192.0.2.1"],
-                                   ["--max-request-bytes", "0"]])
+                                   ["--max-request-bytes", "0"], ["--prefix-cache-gb", "0"],
+                                   ["--prefix-cache-gb", "nan"]])
 def test_serve_flags_are_refused_before_loading(monkeypatch, capsys, flags):
     assert flags[0] in refused_flags(monkeypatch, capsys, *flags)
+
+
+def test_serve_flags_become_the_engines_keywords():
+    """What serve's engine flags give `Engine`: the prefix cache off or sized, the speculative config as given."""
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    flags = ["serve", "--prefill-batch", "2", "--prefill-chunk", "64", "--max-step-tokens", "96", "--prefix-cache-gb",
+             "0.5", "--speculative-config", json.dumps(config)]
+    options = engine_options(parser().parse_args(flags))
+    assert {key: options[key] for key in ("prefill_batch", "prefill_chunk", "max_step_tokens", "prefix_cache",
+                                          "prefix_cache_gb", "speculative")} == {
+        "prefill_batch": 2, "prefill_chunk": 64, "max_step_tokens": 96, "prefix_cache": True, "prefix_cache_gb": 0.5,
+        "speculative": config}
+    assert engine_options(parser().parse_args(["serve", "--no-prefix-cache"]))["prefix_cache"] is False
+    defaults = engine_options(parser().parse_args(["serve"]))
+    assert {key: defaults[key] for key in ("prefill_batch", "prefill_chunk", "max_step_tokens", "prefix_cache",
+                                           "prefix_cache_gb", "speculative")} == {
+        "prefill_batch": 4, "prefill_chunk": 256, "max_step_tokens": None, "prefix_cache": True,
+        "prefix_cache_gb": 1.0, "speculative": None}
 
 
 def refused_flags(monkeypatch, capsys, *flags: str) -> str:

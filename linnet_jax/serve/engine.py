@@ -283,8 +283,9 @@ class Engine:
         if lockstep is not None and loras is not None:
             raise ValueError("loras are not served by a multi-process engine (lockstep): its followers would need "
                              "every adapter's weights; serve adapters from one process")
-        if not isinstance(prefix_cache_gb, (int, float)) or isinstance(prefix_cache_gb, bool) or prefix_cache_gb <= 0:
-            raise ValueError(f"prefix_cache_gb must be a number > 0, got {prefix_cache_gb!r}")
+        if not isinstance(prefix_cache_gb, (int, float)) or isinstance(prefix_cache_gb, bool) \
+                or not 0 < prefix_cache_gb < float("inf"):
+            raise ValueError(f"prefix_cache_gb must be a finite number > 0, got {prefix_cache_gb!r}")
         self.model, self.max_len, self.max_queue, self.lockstep = model, int(max_len), int(max_queue), lockstep
         self.eos = eos_ids(model)
         self.steps, self.prefill_batch = int(steps_per_dispatch), int(prefill_batch)
