@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -32,6 +33,16 @@ DEFAULT_MAX_LORAS = 4  # adapters an engine holds at once unless told otherwise
 DEFAULT_MAX_LORA_RANK = 16  # the largest adapter rank an engine takes unless told otherwise
 PREFIX = "base_model.model."  # PEFT's prefix of the base model's tensor names
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"  # a PEFT adapter directory's files
+MAX_CONFIG_BYTES = 1 << 20  # the largest adapter_config.json read (PEFT writes about 1 KB)
+# The most any adapter may change one of the model's weights, scale × rank × max|A| × max|B| (a bound on every
+# entry of scale·A·B): a trained adapter's changes are far below 1, and larger ones overflow float16's activations,
+# or float32's (one weight of 3e38 makes every logit NaN), giving garbage or ids outside the vocabulary.
+MAX_WEIGHT_CHANGE = 1e4
+MAX_SCALE = 1e3  # the largest |lora_alpha / r| (|lora_alpha / sqrt(r)| with use_rslora) taken; PEFT's are about 1 to 4
+# An adapter's name is a model id (it is a request's `model`): letters, digits, '_', '.', '-', one '/' between
+# two parts, at most 128 characters, and no '..'.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
+MAX_NAME_LENGTH = 128
 # adapter_config.json settings this reader does not implement -> the values that mean "not used".
 UNSUPPORTED = {"use_dora": (False, None), "rank_pattern": ({}, None), "alpha_pattern": ({}, None),
                "modules_to_save": (None, []), "bias": ("none", None), "layers_to_transform": (None,),
@@ -70,16 +81,38 @@ def peft_settings(settings: dict, where: str) -> tuple[int, float, tuple[str, ..
     return rank, scale, tuple(t for t in TARGETS if t in targets)
 
 
+def check_adapter_name(name) -> str:
+    """The name, or a ValueError unless it is a model id (ADAPTER_NAME, at most MAX_NAME_LENGTH characters)."""
+    if not isinstance(name, str) or len(name) > MAX_NAME_LENGTH or not ADAPTER_NAME.fullmatch(name) or ".." in name:
+        shown = name if not isinstance(name, str) else name[:40] + "..." * (len(name) > 40)
+        raise ValueError(f"an adapter's name must be a model id: letters, digits, '_', '.', '-' and one '/', at most "
+                         f"{MAX_NAME_LENGTH} characters, no '..'; got {shown!r}")
+    return name
+
+
+def unreadable(path, file: str, error: Exception) -> ValueError:
+    """A ValueError saying that a PEFT directory's `file` cannot be read, why (without the absolute path that an
+    OSError's text holds)."""
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else f"{type(error).__name__}: {error}"
+    return ValueError(f"LoRA adapter {str(path)!r}: cannot read PEFT's {file} there ({reason})")
+
+
 def read_settings(path) -> dict:
     """The JSON object of a PEFT adapter directory's adapter_config.json; a ValueError naming the file when it
-    cannot be read or is not an object."""
+    cannot be read, is over MAX_CONFIG_BYTES, is nested too deeply to read or is not an object."""
+    file = Path(path) / CONFIG
     try:
-        settings = json.loads((Path(path) / CONFIG).read_text())
+        with open(file, "rb") as handle:
+            text = handle.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ValueError(f"it holds more than {MAX_CONFIG_BYTES} bytes")
+        settings = json.loads(text)
+    except RecursionError as error:
+        raise unreadable(path, CONFIG, ValueError("nested too deeply; expected a flat JSON object")) from error
     except (OSError, ValueError) as error:
-        raise ValueError(f"LoRA adapter {str(path)!r}: cannot read PEFT's {CONFIG} there "
-                         f"({type(error).__name__}: {error})") from error
+        raise unreadable(path, CONFIG, error) from error
     if not isinstance(settings, dict):
-        raise ValueError(f"{Path(path) / CONFIG}: expected a JSON object")
+        raise ValueError(f"LoRA adapter {str(path)!r}: PEFT's {CONFIG} there is not a JSON object")
     return settings
 
 
@@ -99,8 +132,7 @@ def read_peft(path, config: Config) -> Lora:
     try:
         tensors = load_file(directory / WEIGHTS)
     except (OSError, ValueError, SafetensorError) as error:
-        raise ValueError(f"LoRA adapter {str(path)!r}: cannot read PEFT's {WEIGHTS} there "
-                         f"({type(error).__name__}: {error})") from error
+        raise unreadable(path, WEIGHTS, error) from error
     base = settings.get("base_model_name_or_path")
     a, b = {}, {}
     try:
@@ -128,13 +160,35 @@ def tensor(tensors: dict[str, np.ndarray], name: str, directory: Path) -> np.nda
 
 
 def adapters_of(source, config: Config) -> Lora:
-    """A PEFT directory's adapters (`read_peft`), or a Lora checked against the model's shapes."""
+    """A PEFT directory's adapters (`read_peft`), or a Lora checked against the model's shapes; either checked
+    for finite weights of a sane size (`check_weights`)."""
     if isinstance(source, Lora):
         check_shapes(config, source)
-        return source
-    if isinstance(source, (str, Path)):
-        return read_peft(source, config)
-    raise TypeError(f"a LoRA adapter is a PEFT directory's path or a Lora, got {type(source).__name__}")
+        lora = source
+    elif isinstance(source, (str, Path)):
+        lora = read_peft(source, config)
+    else:
+        raise TypeError(f"a LoRA adapter is a PEFT directory's path or a Lora, got {type(source).__name__}")
+    check_weights(lora, f"LoRA adapter {str(source)!r}" if isinstance(source, (str, Path)) else "the LoRA adapter")
+    return lora
+
+
+def check_weights(lora: Lora, where: str) -> None:
+    """A ValueError naming what is wrong unless the scale is at most MAX_SCALE in size and every adapter weight is
+    finite and changes the model's weights by at most MAX_WEIGHT_CHANGE (scale × rank × max|A| × max|B|, a bound on every entry of scale·A·B), as the base
+    model's weights are checked for finite values."""
+    if not abs(lora.scale) <= MAX_SCALE:
+        raise ValueError(f"{where}: its scale (lora_alpha / r) is {lora.scale:.3g}; expected at most {MAX_SCALE:g} "
+                         f"in size")
+    for field in lora.a:
+        a, b = np.asarray(lora.a[field], np.float32), np.asarray(lora.b[field], np.float32)
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            raise ValueError(f"{where}: its {field} weights hold NaN or infinite values; expected finite weights")
+        change = abs(lora.scale) * a.shape[-1] * float(np.abs(a).max(initial=0)) * float(np.abs(b).max(initial=0))
+        if not change <= MAX_WEIGHT_CHANGE:
+            raise ValueError(f"{where}: its {field} weights can change the model's by up to {change:.3g} (scale × "
+                             f"rank × max|A| × max|B|), above {MAX_WEIGHT_CHANGE:g}; expected a trained adapter's "
+                             f"small changes")
 
 
 # --- tables ---------------------------------------------------------------------------------------------------
@@ -245,8 +299,10 @@ class AdapterTable:
     def reserve(self, name: str, in_use: set[int]) -> int:
         """A free entry held for `name` (a RequestError naming `lora_name` when the name is taken or the table is
         full); in_use: the entries that queued and running requests use."""
-        if not isinstance(name, str) or not name:
-            raise RequestError("lora_name", f"an adapter's name must be a non-empty string, got {name!r}")
+        try:
+            check_adapter_name(name)
+        except ValueError as error:
+            raise RequestError("lora_name", str(error)) from error
         if name in self.held:
             raise RequestError("lora_name", f"an adapter named {name!r} is already loaded")
         entry = next((e for e in range(1, len(self.held)) if self.held[e] is None and e not in in_use), None)

@@ -26,6 +26,10 @@ from linnet_jax.models.config import DTYPES, QUANTIZE
 EXPORT_DTYPES = {"stablehlo": DTYPES, "jax-source": DTYPES, "torch-source": DTYPES, "hf": DTYPES,
                  "onnx": ONNX_DTYPES, "gguf": ("f32", "f16", "bf16", "q8_0")}
 GGUF_DEFAULT = "f16"
+# The formats whose programs or decoder are built for a cache of --max-len positions, and their default (the
+# exporters' own, or the model's context if shorter).
+EXPORT_MAX_LEN_FORMATS = ("onnx", "stablehlo", "torch-source")
+EXPORT_MAX_LEN = 1024
 # What a user can cause and fix: printed as one line (exit status 1) unless --debug.
 USER_ERRORS = (ValueError, TypeError, OSError)
 # A byte that is not UTF-8, as stdin's surrogateescape error handler reads it.
@@ -61,6 +65,10 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", default=None, help=f"the weights' dtype, {', '.join(DTYPES)}; for gguf the GGUF "
                         f"type, {', '.join(EXPORT_DTYPES['gguf'])} (default {GGUF_DEFAULT}); for onnx "
                         f"{', '.join(ONNX_DTYPES)} (default {ONNX_DTYPES[0]})")
+    export.add_argument("--max-len", type=positive_int, default=None,
+                        help=f"the cache's positions (prompt + new tokens) the export is built for, for "
+                        f"{', '.join(EXPORT_MAX_LEN_FORMATS)} (default {EXPORT_MAX_LEN}, or the model's context if "
+                        f"shorter)")
     export.add_argument("--overwrite", action="store_true", help="write over an existing OUT")
     export.add_argument("out", metavar="OUT", help="a directory (a .gguf file for --format gguf)")
     serve = commands.add_parser("serve", parents=[source, weights], help="an OpenAI-compatible HTTP server")
@@ -91,6 +99,13 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-loras", type=positive_int, default=None,
                        help="the most adapters loaded at once (default 4; given alone: none yet, loaded at runtime "
                             "with POST /v1/load_lora_adapter)")
+    serve.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (else 404): anyone who can "
+                            "reach the server (or holds --api-key) may then load any adapter it can read; confine them "
+                            "with --lora-dir")
+    serve.add_argument("--lora-dir", default=None, metavar="DIR",
+                       help="with --allow-runtime-lora-updating: load_lora_adapter's lora_path is an adapter under "
+                            "DIR (relative to it; no way out through '..' or links)")
     serve.add_argument("--max-lora-rank", type=positive_int, default=16, help="the largest adapter rank taken")
     spread = serve.add_argument_group("one model over several processes (jax.distributed; every process is given "
                                       "the same flags but --process-id; process 0 serves HTTP)")
@@ -137,10 +152,15 @@ def positive_int(text: str) -> int:
 
 def lora_module(text: str) -> tuple[str, str]:
     """argparse type: NAME=PATH, an adapter's served name and its PEFT directory."""
+    from linnet_jax.adapters import check_adapter_name
+
     name, equals, path = text.partition("=")
     if not (name and equals and path):
         raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
-    return name, path
+    try:
+        return check_adapter_name(name), path
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
 
 
 def non_negative_int(text: str) -> int:
@@ -203,6 +223,8 @@ def check_flags(arguments: argparse.ArgumentParser, args) -> None:
         if args.dtype not in (None, *EXPORT_DTYPES[args.format]):
             arguments.error(f"--dtype {args.dtype} is not one of {EXPORT_DTYPES[args.format]} "
                             f"(for --format {args.format})")
+        if args.max_len is not None and args.format not in EXPORT_MAX_LEN_FORMATS:
+            arguments.error(f"--max-len is for --format {', '.join(EXPORT_MAX_LEN_FORMATS)}, not {args.format}")
         return
     if args.command == "finetune":
         if args.quantize and not args.lora_rank:
@@ -225,14 +247,22 @@ def check_flags(arguments: argparse.ArgumentParser, args) -> None:
         from linnet_jax.adapters import DEFAULT_MAX_LORAS, peft_rank
         from linnet_jax.load import DEFAULT_MODEL
         from linnet_jax.serve.errors import check_api_key
-        from linnet_jax.speculative import speculative_config
+        from linnet_jax.serve.engine import DEFAULT_MAX_LEN
+        from linnet_jax.speculative import check_fits, speculative_config
 
         spread = (args.coordinator, args.num_processes, args.process_id)
         if any(value is not None for value in spread) and any(value is None for value in spread):
             arguments.error("--coordinator, --num-processes and --process-id go together")
         if args.num_processes is not None and args.process_id >= args.num_processes:
             arguments.error(f"--process-id must be in [0, --num-processes={args.num_processes}), got {args.process_id}")
-        if args.num_processes is not None and (args.lora or args.max_loras):
+        if args.replicas is not None and args.allow_runtime_lora_updating:
+            arguments.error("--allow-runtime-lora-updating is not served with --replicas: a load would reach one "
+                            "replica only; give the adapters with --lora")
+        if args.lora_dir is not None and not args.allow_runtime_lora_updating:
+            arguments.error("--lora-dir needs --allow-runtime-lora-updating")
+        if args.lora_dir is not None and not Path(args.lora_dir).is_dir():
+            arguments.error(f"--lora-dir {args.lora_dir}: not a directory")
+        if args.num_processes is not None and (args.lora or args.max_loras or args.allow_runtime_lora_updating):
             arguments.error("--lora and --max-loras are not served across processes: serve adapters from one process")
         if args.rules is not None and args.mesh is None and args.coordinator is None:
             arguments.error("--rules needs --mesh (or --coordinator)")
@@ -260,7 +290,9 @@ def check_flags(arguments: argparse.ArgumentParser, args) -> None:
                 arguments.error(f"--lora {name}={path}: the adapter's rank {rank} is above --max-lora-rank "
                                 f"{args.max_lora_rank}")
         try:
-            speculative_config(args.speculative_config, "--speculative-config")
+            check_fits(speculative_config(args.speculative_config, "--speculative-config"), args.slots,
+                       args.max_len or DEFAULT_MAX_LEN, args.max_step_tokens or args.prefill_batch * args.prefill_chunk,
+                       "--speculative-config")
             check_api_key(args.api_key, "--api-key")
         except ValueError as error:
             arguments.error(str(error))
@@ -410,9 +442,17 @@ def export_model(args) -> Path:
         return export.gguf(model, args.out, dtype=args.dtype or GGUF_DEFAULT, overwrite=args.overwrite)
     if args.format == "onnx":  # the graphs' dtype: the weights are read in float32 and cast once, at export
         model = load(args.model, dtype="float32")
-        return export.onnx(model, args.out, dtype=args.dtype or ONNX_DTYPES[0], overwrite=args.overwrite)
+        return export.onnx(model, args.out, dtype=args.dtype or ONNX_DTYPES[0], max_len=export_max_len(model, args),
+                           overwrite=args.overwrite)
     model = load(args.model, dtype=args.dtype)
-    return getattr(export, args.format.replace("-", "_"))(model, args.out, overwrite=args.overwrite)
+    sized = {"max_len": export_max_len(model, args)} if args.format in EXPORT_MAX_LEN_FORMATS else {}
+    return getattr(export, args.format.replace("-", "_"))(model, args.out, overwrite=args.overwrite, **sized)
+
+
+def export_max_len(model, args) -> int:
+    """The cache positions an export is built for: --max-len, else EXPORT_MAX_LEN or the model's context if
+    shorter."""
+    return args.max_len or min(EXPORT_MAX_LEN, model.config.max_position_embeddings)
 
 
 def conversation_start(args) -> list[dict]:
@@ -507,7 +547,8 @@ def engine_options(args) -> dict:
             "prefill_batch": args.prefill_batch, "prefill_chunk": args.prefill_chunk,
             "max_step_tokens": args.max_step_tokens, "prefix_cache": not args.no_prefix_cache,
             "prefix_cache_gb": args.prefix_cache_gb, "speculative": args.speculative_config,
-            "loras": None if args.lora is None and args.max_loras is None else dict(args.lora or ()),
+            "loras": None if args.lora is None and args.max_loras is None and not args.allow_runtime_lora_updating
+            else dict(args.lora or ()),
             "max_loras": args.max_loras or DEFAULT_MAX_LORAS, "max_lora_rank": args.max_lora_rank}
 
 
@@ -554,7 +595,8 @@ def serve(model, args) -> int:
             print(f"engine warmed up in {time.perf_counter() - start:.1f} s ({engine.slots} slots of "
                   f"{engine.max_len} positions)", file=sys.stderr)
             app = create_app(engine, model_name=args.model or DEFAULT_MODEL, api_key=args.api_key,
-                             max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES)
+                             max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES,
+                             allow_runtime_lora_updating=args.allow_runtime_lora_updating, lora_dir=args.lora_dir)
             run_server(app, engine, host=args.host, port=args.port, deadline=args.shutdown_deadline)
     except (ValueError, RuntimeError, MemoryError) as error:
         if args.debug:

@@ -6,6 +6,8 @@ the same `RequestError`, which names the field it is about.
 """
 
 import dataclasses
+import re
+import reprlib
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ MIN_BUCKET = 16
 STOP_ID_SLOTS = 16  # stop ids travel as a fixed-size array, padded with -1
 SEED_RANGE = (-(2**63), 2**63)  # every signed 64-bit seed is its own stream
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings a request may give, and the characters of each
+CANONICAL_ID = re.compile("0|[1-9][0-9]*")  # a token id as a logit_bias key (JSON's keys are strings)
 
 
 class RequestError(ValueError):
@@ -202,25 +205,38 @@ def row_keys(seed, batch: int) -> np.ndarray:
 
 
 def bias_row(logit_bias, vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """One row's logit bias ({id: bias}, ids as ints or digit strings, as OpenAI's JSON sends them; None: none)
-    as its ids [BIAS_SLOTS] int32 and biases [BIAS_SLOTS] float32, padded with id 0 and bias 0."""
+    """One row's logit bias ({id: bias}, ids as ints or decimal strings as OpenAI's JSON sends them, `bias_token`;
+    None: none) as its ids [BIAS_SLOTS] int32 and biases [BIAS_SLOTS] float32, padded with id 0 and bias 0."""
     entries = {} if logit_bias is None else logit_bias
     if not isinstance(entries, dict):
         raise RequestError("logit_bias", f"logit_bias must be a dict of token id -> bias, got {logit_bias!r}")
     if len(entries) > BIAS_SLOTS:
         raise RequestError("logit_bias", f"logit_bias holds {len(entries)} entries; at most {BIAS_SLOTS} are supported")
     ids, values = np.zeros(BIAS_SLOTS, np.int32), np.zeros(BIAS_SLOTS, np.float32)
-    for i, (token, bias) in enumerate(entries.items()):
-        if isinstance(token, str) and token.strip().lstrip("-").isdigit():
-            token = int(token)
-        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab:
-            raise RequestError("logit_bias", f"logit_bias keys must be token ids in [0, {vocab}), got {token!r}")
+    for i, (key, bias) in enumerate(entries.items()):
+        token = bias_token(key, vocab)
+        if token in ids[:i]:
+            raise RequestError("logit_bias", f"logit_bias names token {token} twice (key {key!r} and an earlier one); "
+                                             f"give each token one bias")
         if isinstance(bias, (bool, np.bool_)) or not isinstance(bias, (int, float, np.number)) \
                 or not -100 <= bias <= 100:
             raise RequestError("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {bias!r} for "
                                              f"token {token}")
         ids[i], values[i] = token, bias
     return ids, values
+
+
+def bias_token(key, vocab: int) -> int:
+    """A logit_bias key as its token id in [0, vocab): an int, or an id's canonical decimal string (ASCII digits,
+    no sign, space or leading zero, so that no two keys name one id); else a RequestError naming logit_bias and the
+    key. The length bound keeps int() from strings past Python's 4300-digit limit."""
+    canonical = isinstance(key, str) and CANONICAL_ID.fullmatch(key) and len(key) <= len(str(vocab))
+    token = int(key) if canonical else key
+    if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab:
+        raise RequestError("logit_bias", f"logit_bias keys must be token ids in [0, {vocab}), as ints or decimal "
+                                         f"strings (ASCII digits, no sign, space or leading zero), got "
+                                         f"{reprlib.repr(key)}")
+    return int(token)
 
 
 def bias_table(logit_bias, batch: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:

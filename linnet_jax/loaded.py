@@ -91,9 +91,14 @@ def on_device(model: Model, arrays: dict[str, np.ndarray], axes: tuple[str, ...]
 def as_token_batch(token_ids, vocab_size: int, name: str = "token_ids") -> np.ndarray:
     """token_ids ([T] or [B, T] ints, list or array) as an int32 [B, T] array, checked against the vocabulary."""
     ids = np.asarray(token_ids)
+    # Python ints that no integer dtype holds (past 64 bits, or past 2**63 beside negative ones) are kept as objects
+    wide = ids.dtype.kind in "fO" and ids.size > 0 and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in np.asarray(token_ids, object).flat)
+    if wide:
+        ids = np.asarray(token_ids, object)
     if ids.ndim == 1:
         ids = ids[None]
-    if ids.ndim != 2 or ids.shape[1] == 0 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+    if ids.ndim != 2 or ids.shape[1] == 0 or (ids.size and not (wide or np.issubdtype(ids.dtype, np.integer))):
         raise ValueError(f"{name} must be a non-empty [T] or [B, T] array of ints, got shape {ids.shape} dtype {ids.dtype}")
     bad = ids[(ids < 0) | (ids >= vocab_size)]
     if bad.size:

@@ -5,7 +5,8 @@ its history proposes the num_speculative_tokens tokens that followed that earlie
 one). `linnet_jax.decode.verify` checks every row's drafts in one forward and keeps the longest run that
 equals what the row would have chosen, so the tokens are exactly those of decoding without it, greedy or
 seeded. The options take vLLM's names: {"method": "ngram", "num_speculative_tokens": 4,
-"prompt_lookup_max": 4, "prompt_lookup_min": 2}.
+"prompt_lookup_max": 4, "prompt_lookup_min": 2}, num_speculative_tokens at most MAX_SPECULATIVE_TOKENS and
+prompt_lookup_max at most MAX_PROMPT_LOOKUP; an engine checks that its verify steps fit (`check_fits`).
 """
 
 import dataclasses
@@ -13,6 +14,10 @@ import dataclasses
 import numpy as np
 
 from linnet_jax.inputs import RequestError
+
+
+MAX_SPECULATIVE_TOKENS = 32  # drafts verified per row and step (vLLM's n-gram runs take 2 to 8)
+MAX_PROMPT_LOOKUP = 64  # the longest n-gram looked up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +48,28 @@ def speculative_config(options: dict | Ngram | None, field: str = "speculative")
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise RequestError(field, f"{field}: {name} must be a positive int, got {value!r}")
     config = Ngram(**{name: int(value) for name, value in options.items()})
+    for name, most in (("num_speculative_tokens", MAX_SPECULATIVE_TOKENS), ("prompt_lookup_max", MAX_PROMPT_LOOKUP)):
+        if getattr(config, name) > most:
+            raise RequestError(field, f"{field}: {name} must be at most {most}, got {getattr(config, name)}")
     if config.prompt_lookup_min > config.prompt_lookup_max:
         raise RequestError(field, f"{field}: prompt_lookup_min ({config.prompt_lookup_min}) is above "
                                   f"prompt_lookup_max ({config.prompt_lookup_max})")
     return config
+
+
+def check_fits(config: Ngram | None, slots: int, max_len: int, max_step_tokens: int, field: str = "speculative"
+               ) -> None:
+    """A RequestError naming `field` unless an engine's verify step fits: a row's 1 + num_speculative_tokens
+    positions below max_len, and every slot's (slots × that many tokens) within max_step_tokens."""
+    if config is None:
+        return
+    width = 1 + config.num_speculative_tokens
+    if width >= max_len:
+        raise RequestError(field, f"{field}: num_speculative_tokens={config.num_speculative_tokens} leaves no room in "
+                                  f"max_len={max_len} positions; expected at most {max_len - 2}")
+    if slots * width > max_step_tokens:
+        raise RequestError(field, f"{field}: a verify step carries slots × (1 + num_speculative_tokens) = {slots} × "
+                                  f"{width} = {slots * width} tokens, above max_step_tokens={max_step_tokens}")
 
 
 def propose(history: list[int], config: Ngram, most: int) -> list[int]:

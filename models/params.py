@@ -160,10 +160,15 @@ def contracted_axes(name: str) -> tuple[int, ...] | None:
 
 def quantize_weight(weight: jax.Array, contracted: tuple[int, ...], block: int | None = None) -> qwix.QArray:
     """weight as int8 values and scales (qwix, absmax): one scale per output channel (block None), or per output
-    and block of `block` contiguous inputs (each input axis but the last per index, the last in blocks)."""
+    and block of `block` contiguous inputs (each input axis but the last per index, the last in blocks).
+
+    Quantized in float32, the scales then stored in the weight's dtype (the compute dtype): qwix takes a scale
+    under sqrt(finfo(dtype).tiny) for an all-zero channel's and makes it 1, and float16's is 2^-7, so a float16
+    channel whose largest |weight| is under 127 · 2^-7 ≈ 0.99 (nearly every one of an LLM) came out all zeros."""
     channels = tuple(axis for axis in range(weight.ndim) if axis not in contracted)
     tiles = None if block is None else {**{axis: 1 for axis in contracted[:-1]}, contracted[-1]: block}
-    return qwix.quantize(weight, jnp.int8, channelwise_axes=channels, tiled_axes=tiles)
+    return qwix.quantize(weight.astype(jnp.float32), jnp.int8, channelwise_axes=channels, tiled_axes=tiles,
+                         scale_dtype=weight.dtype)
 
 
 def quantize_params(params: Params) -> Params:

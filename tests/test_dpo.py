@@ -150,7 +150,10 @@ def test_preference_data(tiny_chat, tmp_path):
     for record, message in (({"prompt": "a", "chosen": "b"}, "expected a preference record"),
                             ({"prompt": "a", "messages": [], "chosen": "b", "rejected": "c"}, "not both"),
                             ({"messages": [], "chosen": "b", "rejected": "c"}, "messages are empty"),
-                            ({"prompt": "a", "chosen": "b", "rejected": " "}, "completion is empty")):
+                            ({"prompt": "a", "chosen": "b", "rejected": " "}, "completion is empty"),
+                            ({"prompt": "a", "chosen": "b", "rejected": "b"}, '"chosen" and "rejected" are the same'),
+                            ({"messages": PAIRS[2]["messages"] + [{"role": "assistant", "content": "Blue."}],
+                              "chosen": "b", "rejected": "c"}, "the messages end with an assistant turn")):
         write_jsonl(tmp_path / "bad.jsonl", [PAIRS[0], record])
         with pytest.raises(train.DataError, match=f"bad.jsonl:2: .*{message}"):
             train.load_pairs(tmp_path / "bad.jsonl", tokenizer, seq_len=64)

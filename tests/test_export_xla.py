@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -308,10 +309,37 @@ def test_cli_export_dispatches_each_format(tiny_dir, tmp_path, fmt, dtype, writt
     assert cli.main(argv + ["--overwrite"]) == 0
 
 
-def test_cli_export_rejects_a_dtype_of_the_other_kind(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        cli.main(["export", "--format", "stablehlo", "--dtype", "q8_0", str(tmp_path / "out")])
-    assert "--dtype q8_0" in capsys.readouterr().err
+@pytest.mark.parametrize("flags, words", [
+    (["--format", "stablehlo", "--dtype", "q8_0"], "--dtype q8_0"),
+    (["--format", "jax-source", "--max-len", "64"], "--max-len is for --format onnx, stablehlo, torch-source, not "
+                                                    "jax-source"),
+    (["--format", "stablehlo", "--max-len", "0"], "--max-len: must be a positive int, got 0")])
+def test_cli_export_refuses_flags_before_loading(tmp_path, capsys, flags, words):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["export", "--model", "/nowhere", *flags, str(tmp_path / "out")])
+    assert exit.value.code == 2 and words in capsys.readouterr().err
+
+
+def exported_max_len(out: Path) -> int:
+    """The cache positions an export is built for: its manifest's max_len (stablehlo, onnx) or model.py's MAX_LEN."""
+    if (out / "manifest.json").exists():
+        return json.loads((out / "manifest.json").read_text())["max_len"]
+    return int(re.search(r"^MAX_LEN = (\d+)", (out / "model.py").read_text(), re.MULTILINE).group(1))
+
+
+@pytest.mark.parametrize("fmt", ["stablehlo", "torch-source", "onnx"])
+def test_cli_export_fits_a_context_under_1024(tiny_dir, tmp_path, fmt):
+    """A model of 256 positions exports with --max-len's default (its context: the exporters' 1024 does not fit)
+    and with --max-len 64."""
+    short = tmp_path / "short"
+    shutil.copytree(tiny_dir("llama_linear_untied")[1], short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 256}))
+    for flags, max_len in (([], 256), (["--max-len", "64"], 64)):
+        out = tmp_path / f"out{max_len}"
+        assert cli.main(["export", "--format", fmt, "--model", str(short), "--no-compilation-cache", *flags,
+                         str(out)]) == 0
+        assert exported_max_len(out) == max_len
 
 
 def test_cli_export_of_the_default_model(tmp_path):

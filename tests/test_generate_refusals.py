@@ -74,11 +74,26 @@ def test_refusals_are_request_errors_naming_the_argument(tiny_chat, arguments, f
     (dict(stop=""), "stop", "stop must be a non-empty string"),
     (dict(stop=["."] * 17), "stop", "stop holds 17 strings; at most 16 are supported"),
     (dict(stop="y" * 257), "stop", "a stop string holds 257 characters; at most 256 are supported"),
+    # issue 44: a logit_bias key is an int or an id's canonical decimal string, and names its token once
+    (dict(logit_bias={" 5": 1.0}), "logit_bias", "(ASCII digits, no sign, space or leading zero), got ' 5'"),
+    (dict(logit_bias={"１２": 1.0}), "logit_bias", "(ASCII digits, no sign, space or leading zero), got '１２'"),
+    (dict(logit_bias={"05": 1.0}), "logit_bias", "(ASCII digits, no sign, space or leading zero), got '05'"),
+    (dict(logit_bias={"1" * 4400: 1.0}), "logit_bias", "logit_bias keys must be token ids in [0, "),
+    (dict(logit_bias={5: 1.0, "5": -1.0}), "logit_bias", "logit_bias names token 5 twice"),
 ])
 def test_refusals_say_what_was_expected(tiny_chat, arguments, field, words):
     with pytest.raises(RequestError) as refused:
         generate(tiny_chat, **({"prompt": "hi"} | arguments))
     assert refused.value.field == field and words in refused.value.message
+
+
+def test_ids_no_numpy_int_holds_are_outside_the_vocabulary(tiny_chat):
+    """Issue 44: an id past 64 bits (or past 2**63 beside a negative one) is named as any id outside the
+    vocabulary is, not by the NumPy dtype it would need."""
+    vocab = tiny_chat.config.vocab_size
+    for tokens, bad in (([2**64], 2**64), ([[1, 2], [3, -(2**70)]], -(2**70)), ([-1, 2**63], -1)):
+        with pytest.raises(ValueError, match=rf"tokens\[\d\] holds id {bad} outside the vocabulary \[0, {vocab}\)"):
+            generate(tiny_chat, tokens=tokens, max_new_tokens=2)
 
 
 def test_seeds_are_signed_64_bit(tiny_chat):

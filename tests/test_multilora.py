@@ -110,7 +110,7 @@ def test_24_concurrent_requests_over_base_and_two_adapters_equal_generate_on_the
 
 
 def test_loading_and_unloading_while_requests_run_compiles_nothing_and_fails_nothing(engine, adapters, expected):
-    with serving(engine) as url:
+    with serving(engine, allow_runtime_lora_updating=True) as url:
         running = [engine.submit(PROMPTS[i], chat=False, max_tokens=48, ignore_eos=True, lora=lora)
                    for i, lora in enumerate(["a", "b", None, "a"])]
         next(iter(running[0]))  # the first tokens are out: the requests are in flight
@@ -157,7 +157,7 @@ def test_bad_adapters_and_names_are_refused_by_name(tiny_chat, engine, tmp_path)
         ({"lora_name": "a", "lora_path": str(fits)}, 400, "lora_name", "'a' is already loaded"),
         ({"lora_name": "test-model", "lora_path": str(tmp_path / "big")}, 400, "lora_name", "base model's name"),
     ]
-    with serving(engine) as url:
+    with serving(engine, allow_runtime_lora_updating=True) as url:
         for body, status, param, words in cases:
             response = httpx.post(f"{url}/v1/load_lora_adapter", json=body)
             assert response.status_code == status and response.json()["error"]["param"] == param, response.text

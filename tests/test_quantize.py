@@ -25,6 +25,9 @@ from linnet_jax.serve import Engine
 # the tiny random families 0.096 at most.
 SMOLLM2_INT8_BOUND = 3.0
 TINY_INT8_BOUND = 0.25
+# max |Δlogit| of the tiny llama in each compute dtype against its float32 self, measured: bfloat16 0.067, float16
+# 0.0089; int8 adds its own (float32 0.096, bfloat16 0.13, float16 0.095).
+TINY_DTYPE_BOUNDS = {"float32": 1e-4, "bfloat16": 0.2, "float16": 0.03}
 PRODUCTS = [  # (spec, weight shape, its contracted axes): every product the model runs, at SmolLM2's sizes
     ("btd,dhk->bthk", (576, 9, 64), (0,)),
     ("bthk,hkd->btd", (9, 64, 576), (0, 1)),
@@ -165,6 +168,21 @@ def test_tiny_families_int8_equal_transformers_on_the_dequantized_weights(tiny_d
     quantization = float(np.abs(got - reference_logits(original, ids)).max())
     print(f"tiny {kind}: int8 against the float32 model {quantization:.3e} (logits up to {np.abs(got).max():.2f})")
     assert quantization <= TINY_INT8_BOUND
+
+
+@pytest.mark.parametrize("dtype", list(TINY_DTYPE_BOUNDS))
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_every_quantize_and_dtype_pair_is_near_the_float32_model(tiny_dir, quantize, dtype):
+    """Each `load(..., quantize, dtype)` pair's logits lie within its dtype's rounding (and int8's own error) of the
+    float32 model's on the same ids. int8 with float16 gave uniform logits: qwix made every float16 scale under 2^-7
+    one, rounding each weight to 0 (`models.params.quantize_weight`)."""
+    original, directory = tiny_dir("llama_gqa_llama3")
+    model = linnet_jax.load(directory, dtype=dtype, quantize=quantize, progress=False)
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 24))
+    diff = float(np.abs(np.asarray(logits(model, ids)) - reference_logits(original, ids)).max())
+    record_parity(f"tiny llama_gqa_llama3 quantize={quantize} dtype={dtype} vs float32", diff)
+    print(f"quantize={quantize} dtype={dtype}: max |logit diff| {diff:.3e}")
+    assert diff <= TINY_DTYPE_BOUNDS[dtype] + (TINY_INT8_BOUND if quantize else 0.0)
 
 
 def test_the_engine_serves_a_quantized_model_as_generate_does(tiny_dir):

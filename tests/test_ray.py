@@ -1,13 +1,15 @@
 """Replicas on Ray Serve (`linnet_jax.serve.ray`): one local Ray instance (2 CPUs, on 127.0.0.1) for the file,
 two replicas of a tiny random llama with SmolLM2's tokenizer, every request through Ray's HTTP proxy.
 
-The last test shuts Ray down and checks that no process it started is left.
+The last test shuts Ray down and checks that no process it started is left. `linnet-jax serve --replicas`, its own
+Ray instance in a process of its own, is tested before the file's instance starts.
 """
 
 import asyncio
 import os
 import signal
 import socket
+import sys
 import threading
 from collections import Counter
 
@@ -16,6 +18,7 @@ import openai
 import psutil
 import pytest
 import ray
+from processes import Group, cpu_env
 from ray import serve
 from test_serve import (
     MODEL,
@@ -33,6 +36,7 @@ from linnet_jax.cli import main
 from linnet_jax.serve.ray import app, replica_cores
 
 SLOTS, MAX_QUEUE = 4, 32  # per replica; requests the proxy holds while both replicas are full
+STARTUP_S = 600  # a Ray instance and two replicas warmed up, on a loaded machine
 
 
 def free_port() -> int:
@@ -45,6 +49,36 @@ def stop_ray() -> None:
     if ray.is_initialized():
         serve.shutdown()
         ray.shutdown()
+
+
+def ray_processes(pid: int) -> list[psutil.Process]:
+    """The processes of the Ray instance that process `pid` started: its descendants, a raylet among them."""
+    processes = psutil.Process(pid).children(recursive=True)
+    assert any(process.name() == "raylet" for process in processes), processes
+    return processes
+
+
+def assert_ended(processes: list[psutil.Process]) -> None:
+    """Every one of `processes` exits within a minute."""
+    _, alive = psutil.wait_procs(processes, timeout=60)
+    assert not alive, [(process.pid, process.name()) for process in alive]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda sig: sig.name)
+def test_a_signal_ends_serve_replicas_with_status_0_and_no_ray_process_left(tiny_chat_dir, tmp_path, sig):
+    """SIGTERM (what systemd and Kubernetes send) or SIGINT to `linnet-jax serve --replicas 2`: Serve shuts down, the
+    command exits 0 and every process of its Ray instance exits."""
+    port = free_port()
+    with Group(tmp_path) as group:
+        server = group.start("serve", [
+            sys.executable, "-m", "linnet_jax", "serve", "--replicas", "2", "--model", str(tiny_chat_dir), "--port",
+            str(port), "--slots", "1", "--max-len", "64", "--prefill-batch", "1", "--prefill-chunk", "16",
+            "--no-compilation-cache"], cpu_env() | {"RAY_USAGE_STATS_ENABLED": "0"})
+        group.wait(lambda: "serving on" in group.stdout("serve"), STARTUP_S, "the replicas to serve")
+        started = ray_processes(server.pid)
+        server.send_signal(sig)
+        group.wait(lambda: server.poll() is not None, 180, "serve to exit")  # fails on a status other than 0
+        assert_ended(started)
 
 
 @pytest.fixture(scope="module")
@@ -216,8 +250,6 @@ def test_a_killed_replica_is_restarted_and_new_requests_succeed(served):
 
 
 def test_shutdown_leaves_no_process_behind(ray_url):
-    started = psutil.Process().children(recursive=True)
-    assert any(process.name() == "raylet" for process in started)
+    started = ray_processes(os.getpid())
     stop_ray()
-    _, alive = psutil.wait_procs(started, timeout=60)
-    assert not alive, [(process.pid, process.name()) for process in alive]
+    assert_ended(started)

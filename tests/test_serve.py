@@ -323,6 +323,17 @@ UNCLEAR_BEFORE = [  # (path, body, param, words of the message): each message na
     ("/v1/completions", {"prompt": "hi", "stop": ["."] * 17}, "stop", "stop holds 17 strings; at most 16"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": "y" * 257}, "stop",
      "a stop string holds 257 characters; at most 256"),
+    # issue 44: json false is a wrong schema, not a missing json; ids past 64 bits and logit_bias keys that are
+    # not an id's canonical decimal string (past int()'s 4300 digits, spaced, full-width, zero-led) are named
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": False}}, "structured_outputs",
+     "json must be a JSON schema: an object, the JSON text of one, or true"),
+    ("/v1/completions", {"prompt": [2**64]}, "prompt", f"holds id {2**64} outside the vocabulary [0, "),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1" * 4400: 5}}, "logit_bias",
+     "logit_bias keys must be token ids in [0, "),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {" 5": 5}}, "logit_bias", "leading zero), got ' 5'"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"１２": 5}}, "logit_bias", "leading zero), got '１２'"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100, "05": -100}}, "logit_bias",
+     "leading zero), got '05'"),
 ]
 
 

@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/completions and /v1/chat/completions (streamed as server-sent events or whole), GET
 /v1/models, GET /health, GET /metrics (Prometheus text), POST /tokenize and /detokenize, GET /tokenizer_info, and
-(an engine with adapters) POST /v1/load_lora_adapter and /v1/unload_lora_adapter, vLLM's. A request whose `model`
+(with allow_runtime_lora_updating, vLLM's opt-in) POST /v1/load_lora_adapter and /v1/unload_lora_adapter, vLLM's,
+their lora_path confined to `lora_dir` when one is given. A request whose `model`
 names a loaded LoRA adapter is served with it, as vLLM serves it; /v1/models lists the adapters, each with its
 base as `parent`.
 The app knows the engine's Python API only (`submit`, handles, `stats`, `on_finish`, `compiles_after_warmup`).
@@ -10,11 +11,13 @@ The app knows the engine's Python API only (`submit`, handles, `stats`, `on_fini
 Errors (`linnet_jax.serve.errors`) are OpenAI's JSON, `{"error": {"message", "type", "param", "code"}}`: 400
 naming the field for a body that is not JSON, a wrong type, a bad value, a field this server does not implement,
 a prompt that leaves no room for a token (a larger max_tokens is clamped to the room, finishing with "length"),
-a JSON schema, regex or grammar that does not compile (naming response_format or structured_outputs);
+a JSON schema, regex or grammar that does not compile, is over a bound or can never be completed (naming
+response_format or structured_outputs; one found dead mid-output ends its request with that 400);
 401 without the API key; 404 for an unknown model (an adapter's name included); 413 for a body over
 `max_request_bytes`; 429 with Retry-After
 when the engine's queue is full; 503 (and /health 503) while shutting down or once the engine has failed; 500
-for the requests the engine was serving when it failed (streamed: a last `data: {"error": ...}` event). A client
+for the requests the engine was serving when it failed (streamed: a last `data: {"error": ...}` event), and for
+one request that failed alone (the server serves on). A client
 that disconnects has its requests cancelled: their slots are free before the engine's next decode dispatch.
 Tokenizing and every other cost that grows with a request runs off the event loop. The Prometheus metrics are
 `linnet_jax.serve.metrics`.
@@ -28,6 +31,7 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -104,9 +108,46 @@ def engine_failed(failure: Exception, status: int) -> APIError:
                     code="engine_failed")
 
 
-def failed(handle: Handle) -> APIError | None:
-    """A 500 naming the engine's failure when the handle's request ended with it, else None."""
-    return engine_failed(handle.engine.failure, 500) if handle.generation.stop_reason == "error" else None
+def adapter_root(lora_dir: str | Path) -> Path:
+    """lora_dir resolved; a ValueError unless it is a directory."""
+    root = Path(lora_dir).resolve()
+    if not root.is_dir():
+        raise ValueError(f"lora_dir {str(lora_dir)!r} is not a directory")
+    return root
+
+
+def adapter_path(lora_path: str, root: Path | None) -> Path:
+    """Where a load request's lora_path leads: resolved (symlinks and `..` followed), relative to `root` when
+    there is one, and then a 400 naming lora_path unless it stays under root (the same answer whether or not
+    the path exists)."""
+    try:
+        path = Path(lora_path).resolve() if root is None else (root / lora_path).resolve()
+    except (ValueError, OSError) as error:  # a NUL byte, a loop of links
+        raise APIError(400, f"lora_path {lora_path!r} is not a path the server can read", "lora_path") from error
+    if root is not None and not path.is_relative_to(root):
+        raise APIError(400, f"lora_path {lora_path!r} is not an adapter directory under the server's --lora-dir "
+                            f"(give a path relative to it)", "lora_path")
+    return path
+
+
+def body_names(body: Sampling) -> dict[str, str]:
+    """The body's names of Engine.submit's arguments where they differ: its grammar's field."""
+    return {"structured": structured(body)[1]}
+
+
+def failed(handle: Handle, renamed: dict[str, str]) -> APIError | None:
+    """Why the handle's request ended with an error, else None: a 500 naming the engine's failure; a 400 naming the
+    field (by the body's name for it in `renamed`) that failed it alone (a grammar that can never be completed);
+    a 500 for anything else that failed it alone, the server serving on."""
+    failure = handle.failure
+    if handle.generation.stop_reason != "error":
+        return None
+    if failure is handle.engine.failure:
+        return engine_failed(failure, 500)
+    if isinstance(failure, RequestError):
+        return request_error(failure, "prompt", renamed)
+    return APIError(500, f"the request failed ({type(failure).__name__}: {failure}); the server serves on",
+                    code="request_failed")
 
 
 async def collect(handle: Handle) -> Output:
@@ -153,12 +194,13 @@ def cancel(handles: list[Handle]) -> None:
             handle.cancel()
 
 
-async def stream_chunks(shape: Shape, handles: list[Handle], n: int, include_usage: bool) -> AsyncIterator[dict]:
+async def stream_chunks(shape: Shape, handles: list[Handle], n: int, include_usage: bool, renamed: dict[str, str]
+                        ) -> AsyncIterator[dict]:
     """The chunks of a streamed response: each piece of each choice, its finish, then (asked for) usage; an error
-    body, last, when the engine failed."""
+    body, last, when a request failed (`failed`)."""
     started, offsets = [False] * len(handles), [0] * len(handles)
     async for index, piece in merged(handles):
-        if piece is None and (error := failed(handles[index])):
+        if piece is None and (error := failed(handles[index], renamed)):
             yield error_body(error)
             return
         if piece is None:
@@ -185,10 +227,14 @@ async def server_sent_events(chunks: AsyncIterator[dict], watcher: asyncio.Task,
 
 
 def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
-               max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = MAX_REQUEST_BYTES, allow_runtime_lora_updating: bool = False,
+               lora_dir: str | Path | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine`, serving it as `model_name`; with `api_key` (non-empty), every
-    endpoint but /health needs `Authorization: Bearer api_key`; a body over `max_request_bytes` is a 413."""
+    endpoint but /health needs `Authorization: Bearer api_key`; a body over `max_request_bytes` is a 413.
+    allow_runtime_lora_updating: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (else they are 404, as
+    absent); lora_dir: the directory whose adapters they may load (None: any path the server can read)."""
     check_api_key(api_key)
+    root = None if lora_dir is None else adapter_root(lora_dir)
     app = FastAPI(title="linnet_jax", version=__version__, default_response_class=ASCIIJSONResponse)
     metrics, created, tokenizer = Metrics(engine), int(time.time()), engine.model.tokenizer
     app.add_middleware(BodyLimit, limit=max_request_bytes)
@@ -238,10 +284,9 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
             raise APIError(400, f"n={n} choices of {len(prompts)} prompt(s) need more than the server's "
                                 f"{engine.slots} slots", "n")
         seed = secrets.randbits(63) if body.seed is None else body.seed
-        spec, field = structured(body)
         options = engine_options(body, top_logprobs) | {"seed": seed, "lora": check_model(body.model),
-                                                        "structured": spec}
-        return await asyncio.to_thread(submit_all, engine, prompts, n, options, prompt_field, {"structured": field})
+                                                        "structured": structured(body)[0]}
+        return await asyncio.to_thread(submit_all, engine, prompts, n, options, prompt_field, body_names(body))
 
     def check_request(body: Sampling) -> None:
         check_model(body.model)
@@ -253,29 +298,29 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
         """The name a response gives: the adapter's the request named, else the base model's."""
         return body.model if check_model(body.model) else model_name
 
-    async def collected(request: Request, handles: list[Handle]) -> list[Output]:
-        """Each handle's whole output; all of them cancelled if the client disconnects first; a 500 if the engine
-        failed meanwhile."""
+    async def collected(request: Request, handles: list[Handle], renamed: dict[str, str]) -> list[Output]:
+        """Each handle's whole output; all of them cancelled if the client disconnects first; the error of the
+        first that failed (`failed`)."""
         watcher = cancel_on_disconnect(request, handles)
         try:
             outputs = await asyncio.gather(*(collect(handle) for handle in handles))
         finally:
             watcher.cancel()
             cancel(handles)
-        if error := next(filter(None, map(failed, handles)), None):
+        if error := next(filter(None, (failed(handle, renamed) for handle in handles)), None):
             raise error
         return outputs
 
     async def respond(request: Request, body: Sampling, shape: Shape, prompts: list[dict], top_logprobs: int,
                       prompt_field: str):
         handles = await admit(body, prompts, top_logprobs, prompt_field)
-        n = body.n or 1
+        n, renamed = body.n or 1, body_names(body)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = server_sent_events(stream_chunks(shape, handles, n, include_usage),
+            events = server_sent_events(stream_chunks(shape, handles, n, include_usage, renamed),
                                         cancel_on_disconnect(request, handles), handles)
             return StreamingResponse(events, media_type="text/event-stream")
-        outputs = await collected(request, handles)
+        outputs = await collected(request, handles, renamed)
         choices = [shape.choice(i, output, finish_reason(handle))
                    for i, (output, handle) in enumerate(zip(outputs, handles))]
         return shape.response(choices, usage(handles, n))
@@ -297,7 +342,7 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
             counts = {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}
         else:
             handles = await admit(body, [{"tokens": row} for row in ids], top, "prompt")
-            outputs = await collected(request, handles)
+            outputs = await collected(request, handles, body_names(body))
             reasons, counts = [finish_reason(handle) for handle in handles], usage(handles, n)
             stopped = [stop_ids(engine.model, body, handle.generation.stop_reason) for handle in handles]
         parts = await asyncio.to_thread(echoes, engine.model, prompts, ids, outputs, stopped, top,
@@ -333,18 +378,20 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
         return {"object": "list", "data": [card(model_name, model_name, None),
                                            *(card(name, root, model_name) for name, root in engine.loras.items())]}
 
-    @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoraRequest):
-        """vLLM's: serve the PEFT adapter at lora_path as lora_name from now on (compiles nothing)."""
+        """vLLM's: serve the PEFT adapter at lora_path (under lora_dir) as lora_name from now on (compiles
+        nothing). Its errors name lora_path as the body gave it, never the path it resolved to."""
         if body.lora_name == model_name:
             raise APIError(400, f"lora_name {body.lora_name!r} is the base model's name", "lora_name")
+        path = adapter_path(body.lora_path, root)
         try:
-            await asyncio.to_thread(engine.load_lora, body.lora_name, body.lora_path)
+            await asyncio.to_thread(engine.load_lora, body.lora_name, path)
         except BAD_INPUT as error:
-            raise request_error(error, "lora_path") from error
+            answer = request_error(error, "lora_path")
+            answer.message = answer.message.replace(str(path), body.lora_path)
+            raise answer from error
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
-    @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoraRequest):
         """vLLM's: serve lora_name no more (requests already using it finish with it)."""
         try:
@@ -352,6 +399,10 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
         except BAD_INPUT as error:
             raise request_error(error, "lora_name") from error
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
+    if allow_runtime_lora_updating:
+        app.post("/v1/load_lora_adapter")(load_lora_adapter)
+        app.post("/v1/unload_lora_adapter")(unload_lora_adapter)
 
     @app.get("/health")
     async def health():

@@ -26,7 +26,9 @@ Requests are submitted from any thread (`submit`), or from asyncio (`Handle.__ai
 queue refuses a request (`QueueFull`) rather than buffering it without bound. A request's tokens
 are the ones `generate` gives for the same arguments: everything it owns lives in its slot.
 If the scheduler thread fails (out of memory, say), every queued and running request ends with stop reason
-"error", `failure` holds the exception, and the engine admits nothing more (`EngineFailed`).
+"error", `failure` holds the exception, and the engine admits nothing more (`EngineFailed`). A request whose own
+tokens cannot be taken (its grammar can never be completed, an adapter gave an id outside the vocabulary) ends
+alone with "error", its handle's `failure` saying why, and the engine goes on.
 Every device program the scheduler runs goes through one seam, `_run(program, *host inputs)`. With a `lockstep`
 (`linnet_jax.serve.lockstep`), one engine spans several `jax.distributed` processes: the leader's `_run` first
 sends the call to the followers, whose `follow()` runs the same calls on their part of the state; the programs read
@@ -45,14 +47,14 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import numpy as np
 
 from linnet_jax.adapters import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, AdapterTable
-from linnet_jax.decode import TOP_LOGPROBS, TRACES, decode, free, verify
+from linnet_jax.decode import TOP_LOGPROBS, TRACES, decode, free, scrub, verify
 from linnet_jax.inputs import (MIN_BUCKET, RequestError, check_max_new_tokens, eos_ids, extend_rows, make_prompts,
                                new_slots, prefill_widths, sampling_options, seed_key)
 from linnet_jax.loaded import Model
 from linnet_jax.prefix_cache import PrefixCache
 from linnet_jax.serve.lockstep import Lockstep
 from linnet_jax.sharding import hosts
-from linnet_jax.speculative import Ngram, draft_arrays, propose, speculative_config
+from linnet_jax.speculative import Ngram, check_fits, draft_arrays, propose, speculative_config
 from linnet_jax.structured import Constraint, bitmasks, constraint, with_bitmasks
 from linnet_jax.text import Cursor, Detokenizer, Generation, take
 
@@ -64,7 +66,8 @@ CHOICES = 2**32  # the streams of one seed a request may draw (`choice`)
 # cores takes 90 ms, so there a dispatch is one step; a GPU's few-ms steps keep steps_per_dispatch.
 DISPATCH_SECONDS = 0.1
 # The device programs `_run` runs (each the method `_<name>`): all a follower of a multi-process engine runs.
-PROGRAMS = frozenset({"agree", "compile_all", "extend", "decode", "verify", "free", "masks", "restore", "store"})
+PROGRAMS = frozenset({"agree", "compile_all", "extend", "decode", "verify", "free", "scrub", "masks", "restore",
+                      "store"})
 
 
 def powers_up_to(most: int) -> list[int]:
@@ -139,6 +142,7 @@ class Handle:
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []
         self.generation: Generation | None = None
+        self.failure: Exception | None = None  # why it ended with "error": the engine's failure, or its own
         self.cancelled = False
         self.submitted = time.perf_counter()
         self.first_token_at: float | None = None
@@ -223,7 +227,7 @@ class Handle:
 
     def _finish(self, reason: str) -> None:
         """The request's Generation, as generate makes it. reason: "eos", "stop", "length", "cancelled" or
-        "error" (the engine failed)."""
+        "error" (`failure` says why)."""
         with self._changed:
             self.generation = self.text.generation(reason, self.logprobs)
         self._notify()
@@ -291,6 +295,7 @@ class Engine:
         self.steps, self.prefill_batch = int(steps_per_dispatch), int(prefill_batch)
         self.prefill_chunk, self.max_step_tokens = int(prefill_chunk), int(max_step_tokens)
         self.speculative = speculative_config(speculative)
+        check_fits(self.speculative, int(slots), self.max_len, self.max_step_tokens)
         self.adapters = None if loras is None else AdapterTable(model, max_loras, max_lora_rank)
         if loras is not None and len(loras) > self.adapters.max_loras:
             raise ValueError(f"{len(loras)} loras given, more than max_loras={self.adapters.max_loras}")
@@ -469,6 +474,7 @@ class Engine:
                 if self.speculative:
                     self._verify([[]] * self.slots, top, rows)
         self._free(0)
+        self._scrub(nothing)
         if self.prefixes:
             self.state = self.prefixes.compile(self.state)
         if self.adapters is not None:
@@ -564,6 +570,7 @@ class Engine:
             self.owners = [None] * len(self.owners)
             self._wake.notify_all()
         for work in failed:
+            work.handle.failure = error
             work.handle._finish("error")
         for hook in self.on_failure:
             hook(error)
@@ -761,6 +768,9 @@ class Engine:
     def _free(self, slot: int) -> None:
         self.state = free(self.state, np.int32(slot))
 
+    def _scrub(self, slot: int) -> None:
+        self.state = scrub(self.state, np.int32(slot))
+
     def _masks(self, masks: np.ndarray) -> None:
         """Each slot's bitmask of allowed tokens [B, W] into the state."""
         self.state = with_bitmasks(self.state, masks)
@@ -845,21 +855,26 @@ class Engine:
 
     def _deliver(self, slot: int, tokens: list[int], logprobs: list[float], top: list, finish: int) -> None:
         """A slot's new tokens to its request (finish: its row's finish state after them); the request finished
-        when its row did or a stop string appeared. A stop id that finished the row never reaches the stream."""
+        when its row did or a stop string appeared, and failed alone (stop reason "error", its handle's `failure`)
+        when they cannot be taken. A stop id that finished the row never reaches the stream."""
         self.counters["tokens_generated"] += len(tokens)
         work = self.owners[slot]
-        reason = work.handle._add(tokens, logprobs, top, finish, self.eos, work.rule)
+        try:
+            reason = work.handle._add(tokens, logprobs, top, finish, self.eos, work.rule)
+        except Exception as error:  # its own tokens or grammar (an id outside the vocabulary, a grammar that can
+            work.handle.failure, reason = error, "error"  # never be completed): it fails alone, the others go on
         if reason is not None:
             self._vacate(slot, reason)
 
     def _vacate(self, slot: int, reason: str) -> None:
-        self._run("free", slot)
+        """Free the slot (its keys and values zeroed after a request that failed) and finish its request."""
+        self._run("scrub" if reason == "error" else "free", slot)
         with self._wake:
             work, self.owners[slot] = self.owners[slot], None
         self._finish(work, reason)
 
     def _finish(self, work: Work, reason: str) -> None:
-        """The request's Generation, as generate makes it. reason: "eos", "stop", "length" or "cancelled"."""
+        """The request's Generation, as generate makes it. reason: "eos", "stop", "length", "cancelled" or "error"."""
         self.counters["requests_finished"] += 1
         work.handle._finish(reason)
         for hook in self.on_finish:

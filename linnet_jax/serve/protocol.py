@@ -161,7 +161,10 @@ def structured(body: Sampling) -> tuple[dict | None, str]:
     if outputs is not None:
         if response_format not in (None, {"type": "text"}):
             raise APIError(400, "give one of response_format and structured_outputs", "structured_outputs")
-        kinds = [kind for kind in STRUCTURED_OUTPUTS if outputs.get(kind) not in (None, False)]
+        # a kind is given unless null, or json_object false (vLLM's flag, off): json false is a schema that
+        # Engine.submit refuses
+        kinds = [kind for kind in STRUCTURED_OUTPUTS
+                 if outputs.get(kind) is not None and not (kind == "json_object" and outputs[kind] is False)]
         if len(kinds) != 1:
             raise APIError(400, f"structured_outputs must hold one of {', '.join(STRUCTURED_OUTPUTS)}, got "
                                 f"{sorted(outputs)}", "structured_outputs")

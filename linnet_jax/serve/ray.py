@@ -156,10 +156,8 @@ def replica_source(model):
 def run(application: serve.Application, *, address: str | None, host: str, port: int) -> None:
     """Serve `application` on host:port until SIGTERM or SIGINT, then shut Serve down (and the Ray instance
     this call started: with `address` None, a local one; else it joins the cluster at `address`)."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    stop = stop_on_signals()
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(application, name="linnet_jax", route_prefix="/")
@@ -168,3 +166,13 @@ def run(application: serve.Application, *, address: str | None, host: str, port:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def stop_on_signals() -> threading.Event:
+    """An event that SIGTERM and SIGINT set, for after `ray.init`: it takes SIGTERM over twice, in Python
+    (`sys.exit(15)`) and in C (its core worker's absl failure signal handler: a crash report, then a 3 s alarm
+    that aborts the process whatever the shutdown is doing, exit status 134). Set afterwards, these replace both."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop

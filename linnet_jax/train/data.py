@@ -209,6 +209,7 @@ def encode_pair(record, tokenizer, where: str) -> tuple[Document, Document]:
       {"prompt": "...", "chosen": "...", "rejected": "..."}    each reply encoded as a completion (and an EOS)
       {"messages": [...], "chosen": "...", "rejected": "..."}  each reply appended to the conversation as an
                                                                assistant turn, rendered with the chat template
+    The replies differ, and the messages end before the reply (not with an assistant turn); else a DataError.
     """
     prompt = record.get("prompt") if isinstance(record, dict) else None
     messages = record.get("messages") if isinstance(record, dict) else None
@@ -219,6 +220,12 @@ def encode_pair(record, tokenizer, where: str) -> tuple[Document, Document]:
                         f'both, with "chosen" and "rejected" (strings); got {got}')
     if messages is not None and not messages:
         raise DataError(f"{where}: the messages are empty; expected the conversation the replies answer")
+    if messages is not None and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+        raise DataError(f'{where}: the messages end with an assistant turn; expected the conversation up to the reply, '
+                        f'which "chosen" and "rejected" give')
+    if record["chosen"] == record["rejected"]:
+        raise DataError(f'{where}: "chosen" and "rejected" are the same reply, so the pair teaches nothing; expected '
+                        f'two different replies')
 
     def reply(text: str) -> Document:
         if messages is None:
