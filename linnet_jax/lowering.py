@@ -4,8 +4,8 @@ The programs are the ones `generate`, `serve.Engine` and a train step compile: `
 first chunk of C tokens, attending to its own C keys) and `extend_{C}_continued` (a later chunk, reading the
 row's max_len slots, or on a CPU the fewest spans that hold its keys: `ops.attention.key_spans`) for each width C
 of the engine's prefill dispatches (`inputs.prefill_widths` of its prefill_chunk), `choose_first` (the first
-token of the prompts a chunk ends), `decode`, `verify` (n-gram drafts), `free`, and `train_step` (AdamW, full
-fine-tuning); and, for an engine serving LoRA adapters, each extend, decode and verify again as `{name}_lora`
+token of the prompts a chunk ends), `decode`, `verify` (n-gram drafts), `free`, `scrub` (a slot freed after a
+failed request), and `train_step` (AdamW, full fine-tuning); and, for an engine serving LoRA adapters, each extend, decode and verify again as `{name}_lora`
 (taking the engine's adapter table: its default max_loras adapters and the base, at its default max_lora_rank)
 and `put_lora` (an adapter written into the table).
 Each takes what it takes on that platform under its hardware plan (`linnet_jax.backend`): on a GPU or
@@ -21,7 +21,7 @@ import optax
 
 from linnet_jax.adapters import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, put_entry
 from linnet_jax.backend import decode_params, plan_for_platform
-from linnet_jax.decode import choose_first, decode_program, empty_slots, extend, free, verify
+from linnet_jax.decode import choose_first, decode_program, empty_slots, extend, free, scrub, verify
 from linnet_jax.inputs import MIN_BUCKET, STOP_ID_SLOTS, make_requests, make_sampling, prefill_widths
 from linnet_jax.loaded import Model
 from linnet_jax.models.config import Config
@@ -74,6 +74,7 @@ def lowered(model: Model, platform: str, *, batch: int = 1, max_len: int = 1024)
     programs["choose_first"] = choose_first.trace(slots, row, jax.ShapeDtypeStruct((1, config.vocab_size),
                                                                                  jnp.float32))
     programs["free"] = free.trace(slots, slot)
+    programs["scrub"] = scrub.trace(slots, slot)
     entry = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), table)  # one entry's a, b, scale
     programs["put_lora"] = put_entry.trace(table, slot, entry.a, entry.b, entry.scale)
     programs["train_step"] = train_step_traced(model, batch, max_len)

@@ -127,7 +127,7 @@ def test_a_grammar_found_dead_mid_output_fails_its_request_alone(engine):
         assert events[-1]["error"]["param"] == "structured_outputs", streamed.text
 
 
-def adapter(model, directory, rank: int = 4, alpha: float = 8.0, seed: int = 0, **settings_):
+def adapter(model, directory, rank: int = 8, alpha: float = 8.0, seed: int = 0, **settings_):
     """A PEFT directory of a rank-`rank` adapter on every projection with small random weights (B too, so that it
     changes the model), adapter_config.json's settings changed by `settings_`."""
     lora = train.init_lora(model.config, train.LoraConfig(rank=rank, alpha=alpha), jax.random.key(seed))
