@@ -1,0 +1,73 @@
+"""Ragged paged attention: one step's tokens packed on one axis, each attending to the keys its sequence holds in a
+shared pool of pages (vLLM's block tables; the layout of JAX's Pallas kernels, ragged paged attention on TPU and
+paged attention on GPU).
+
+Shapes: T tokens of the step (its queries), H query heads over G key/value heads (R = H / G query heads share
+one, HF's grouping: head h reads key/value head h // R), D the head size; a pool of P pages of C positions each;
+S sequences, each with a row of M pages in the page table (M · C ≥ its keys). Sequence s's queries are tokens
+cu_q_lens[s]:cu_q_lens[s + 1], in order, and they are the last of its kv_lens[s] positions (their keys are in the
+pool already): token t of sequence s sits at position kv_lens[s] - (cu_q_lens[s + 1] - t) and sees that sequence's
+keys at positions up to its own. A decoding sequence has one token, a prefill chunk many. Tokens past
+cu_q_lens[num_seqs] are padding; their outputs are zeros.
+
+    ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> [T, H, D]
+
+The form for XLA:CPU: a loop over the table's M page columns, each iteration gathering every token's page of that
+column and folding it into an online softmax (as the kernels run), so memory is T × C × G × D per iteration and work
+T × M × C: a step's cost follows its longest sequence's pages (M, the caller's bucket), never the pool's size.
+
+Einsum legend: t tokens, g key/value heads, r query heads per key/value head, c positions of a page, d head size.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def token_places(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, tokens: int
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each packed token's sequence [T] int32, its position in that sequence [T] int32, and whether it is a real
+    token (not padding past the last sequence's) [T] bool. cu_q_lens: [S + 1]; kv_lens: [S]; num_seqs: [1]."""
+    index = jnp.arange(tokens, dtype=jnp.int32)
+    used = cu_q_lens[num_seqs[0]]
+    sequence = jnp.clip(jnp.searchsorted(cu_q_lens, index, side="right") - 1, 0, kv_lens.shape[0] - 1)
+    position = kv_lens[sequence] - (cu_q_lens[sequence + 1] - index)
+    return sequence.astype(jnp.int32), position.astype(jnp.int32), index < used
+
+
+def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
+                           page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
+                           sm_scale: float | None = None) -> jax.Array:
+    """Causal attention of packed tokens over their sequences' pages (see the module docstring).
+
+    q: [T, H, D]; k_pages, v_pages: [P, C, G, D]; kv_lens: [S] int32; page_indices: [S, M] int32 (pages of the
+    pool; entries past a sequence's last page are never read into its result); cu_q_lens: [S + 1] int32;
+    num_seqs: [1] int32; sm_scale: the scores' scale (default 1/√D). Returns [T, H, D] in q's dtype, softmax in
+    float32."""
+    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs = map(
+        jnp.asarray, (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs))
+    tokens, heads, size = q.shape
+    _, page, groups, _ = k_pages.shape
+    sequence, position, real = token_places(cu_q_lens, kv_lens, num_seqs, tokens)
+    pages = page_indices[sequence]  # [T, M]
+    scale = size ** -0.5 if sm_scale is None else sm_scale
+    queries = (q.astype(jnp.float32) * scale).reshape(tokens, groups, heads // groups, size)
+
+    def fold(carry, column):
+        out, top, mass = carry  # [T, G, R, D], [T, G, R], [T, G, R]
+        keys = k_pages[pages[:, column]].astype(jnp.float32)  # [T, C, G, D]
+        values = v_pages[pages[:, column]].astype(jnp.float32)
+        scores = jnp.einsum("tgrd,tcgd->tgrc", queries, keys)
+        seen = real[:, None] & (column * page + jnp.arange(page) <= position[:, None])  # [T, C]
+        scores = jnp.where(seen[:, None, None, :], scores, -jnp.inf)
+        new_top = jnp.maximum(top, scores.max(axis=-1))
+        shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)  # a row that has seen nothing yet stays at zero
+        weights = jnp.exp(scores - shift[..., None])
+        kept = jnp.exp(top - shift)
+        out = out * kept[..., None] + jnp.einsum("tgrc,tcgd->tgrd", weights, values)
+        return (out, new_top, mass * kept + weights.sum(axis=-1)), None
+
+    start = (jnp.zeros(queries.shape, jnp.float32), jnp.full(queries.shape[:-1], -jnp.inf, jnp.float32),
+             jnp.zeros(queries.shape[:-1], jnp.float32))
+    (out, _, mass), _ = jax.lax.scan(fold, start, jnp.arange(page_indices.shape[1]))
+    out = out / jnp.where(mass > 0, mass, 1.0)[..., None]
+    return out.reshape(tokens, heads, size).astype(q.dtype)
