@@ -113,6 +113,25 @@ def attended(cached_keys: jax.Array, cached_values: jax.Array, keys: jax.Array, 
     return take_rows(cached_keys, cache_rows), take_rows(cached_values, cache_rows)
 
 
+def residual_block(x: jax.Array, lp: LayerParams, config: Config, positions: jax.Array,
+                   attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array], lora: Lora | LoraTable | None = None,
+                   einsum=jnp.einsum) -> jax.Array:
+    """One pre-norm block: x + wo(attend(q, k, v)), then + swiglu(norm(x)). x: [B, T, D]; positions [B, T] (negative:
+    padding, roped as 0); attend(q [B, T, H, K], k and v [B, T, G, K], all roped) -> [B, T, H, K], the attention
+    over whatever cache the caller keeps; lora: this layer's adapters; einsum: how the projections run."""
+    rope_positions = jnp.maximum(positions, 0)
+    inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+    with jax.named_scope("attention"):
+        q, k, v = project_qkv(rms_norm(x, lp.attn_norm, config.rms_norm_eps), lp, config, lora, einsum)
+        mixed = attend(apply_rope(q, rope_positions, inv_freq), apply_rope(k, rope_positions, inv_freq), v)
+        out = einsum("bthk,hkd->btd", mixed, lp.wo)
+        out = out + lp.bo if config.o_bias else out
+        x = x + (out if lora is None else lora.add(out, "wo", mixed))
+    with jax.named_scope("mlp"):
+        return x + swiglu(rms_norm(x, lp.mlp_norm, config.rms_norm_eps), lp.w_gate, lp.w_up, lp.w_down,
+                          None if lora is None else lora.add, einsum)
+
+
 def decoder_layer(
     x: jax.Array,
     lp: LayerParams,
@@ -130,35 +149,28 @@ def decoder_layer(
     key_block: int | None = None,
     cache_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
-    """One pre-norm block: x + attention(norm(x)), then + swiglu(norm(x)). x: [B, T, D].
+    """One block (`residual_block`) over the slot cache. x: [B, T, D].
     segment_ids, lora, fresh, cache_rows: see `forward` (lora: this layer's slices); einsum: how the projections run;
     products: how attention's products run with a cache (`ops.attention`'s; None: jnp.einsum); key_block: how much
     of the cache attention reads (`ops.attention`'s)."""
     rope_positions = jnp.maximum(positions, 0)
-    inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
-    with jax.named_scope("attention"):
-        q, k, v = project_qkv(rms_norm(x, lp.attn_norm, config.rms_norm_eps), lp, config, lora, einsum)
-        q = apply_rope(q, rope_positions, inv_freq)
-        k = apply_rope(k, rope_positions, inv_freq)
+    updated = [cache]
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         b, t, g, head_dim = k.shape
         keys = jnp.swapaxes(k, 1, 2).reshape(b * g, t, head_dim)  # [N, T, K]
         values = jnp.transpose(v, (0, 2, 3, 1)).reshape(b * g, head_dim, t)  # [N, K, T]
         if cache is None:  # the backward pass recomputes the probabilities rather than keeping them [B, H, T, T]
-            mixed = jax.checkpoint(functools.partial(attention, causal=True))(q, keys, values, rope_positions,
-                                                                         positions, window, segment_ids)
-        else:
-            cache, cached_keys, cached_values = update_cache(cache, layer, keys, values, positions, cache_rows)
-            keys, values = attended(cached_keys, cached_values, keys, values, fresh, cache_rows)
-            slot_positions = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))  # slot i: position i
-            mixed = attention(q, keys, values, rope_positions, slot_positions, window, causal=fresh,
-                              products=products, kv_heads=g, key_block=key_block)
-        out = einsum("bthk,hkd->btd", mixed, lp.wo)
-        out = out + lp.bo if config.o_bias else out
-        x = x + (out if lora is None else lora.add(out, "wo", mixed))
-    with jax.named_scope("mlp"):
-        x = x + swiglu(rms_norm(x, lp.mlp_norm, config.rms_norm_eps), lp.w_gate, lp.w_up, lp.w_down,
-                       None if lora is None else lora.add, einsum)
-    return x, cache
+            return jax.checkpoint(functools.partial(attention, causal=True))(q, keys, values, rope_positions,
+                                                                        positions, window, segment_ids)
+        updated[0], cached_keys, cached_values = update_cache(cache, layer, keys, values, positions, cache_rows)
+        keys, values = attended(cached_keys, cached_values, keys, values, fresh, cache_rows)
+        slot_positions = jnp.broadcast_to(jnp.arange(keys.shape[1]), (b, keys.shape[1]))  # slot i: position i
+        return attention(q, keys, values, rope_positions, slot_positions, window, causal=fresh, products=products,
+                         kv_heads=g, key_block=key_block)
+
+    x = residual_block(x, lp, config, positions, attend, lora, einsum)
+    return x, updated[0]
 
 
 def forward(

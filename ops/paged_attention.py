@@ -36,12 +36,13 @@ def token_places(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, 
 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
                            page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array, *,
-                           sm_scale: float | None = None) -> jax.Array:
+                           sm_scale: float | None = None, window: int | jax.Array = 0) -> jax.Array:
     """Causal attention of packed tokens over their sequences' pages (see the module docstring).
 
     q: [T, H, D]; k_pages, v_pages: [P, C, G, D]; kv_lens: [S] int32; page_indices: [S, M] int32 (pages of the
     pool; entries past a sequence's last page are never read into its result); cu_q_lens: [S + 1] int32;
-    num_seqs: [1] int32; sm_scale: the scores' scale (default 1/√D). Returns [T, H, D] in q's dtype, softmax in
+    num_seqs: [1] int32; sm_scale: the scores' scale (default 1/√D); window: a sliding window, keys fewer than
+    `window` positions before the query's (0: every earlier key, HF's and the kernels' convention). Returns [T, H, D] in q's dtype, softmax in
     float32."""
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs = map(
         jnp.asarray, (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs))
@@ -57,7 +58,9 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         keys = k_pages[pages[:, column]].astype(jnp.float32)  # [T, C, G, D]
         values = v_pages[pages[:, column]].astype(jnp.float32)
         scores = jnp.einsum("tgrd,tcgd->tgrc", queries, keys)
-        seen = real[:, None] & (column * page + jnp.arange(page) <= position[:, None])  # [T, C]
+        key_position = column * page + jnp.arange(page)  # [C]
+        behind = position[:, None] - key_position  # [T, C]
+        seen = real[:, None] & (behind >= 0) & ((window == 0) | (behind < window))
         scores = jnp.where(seen[:, None, None, :], scores, -jnp.inf)
         new_top = jnp.maximum(top, scores.max(axis=-1))
         shift = jnp.where(jnp.isfinite(new_top), new_top, 0.0)  # a row that has seen nothing yet stays at zero
