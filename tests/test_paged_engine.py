@@ -112,3 +112,27 @@ def test_paged_runner_and_scheduler_equal_generate_request_for_request(model):
                         top_k=20 if temperature else 0, seed=seed, ignore_eos=True, return_details=True)[0]
         assert sequence.output == want.tokens, i
     assert pool.counters["hit_tokens"] > 0 and pool.available == pool.pages
+
+
+def test_one_request_of_the_whole_context_fits_and_a_step_reads_only_the_pages_in_use(model):
+    """On the model with an 8,192-position context: one request of all of it (8,184 prompt tokens, 8 new) through
+    a pool of exactly 8,192 positions equals generate; then requests of about 100 tokens decode over a table of 2
+    columns of 64 (their pages), not 128 (max_len's)."""
+    config = dataclasses.replace(model.config, max_position_embeddings=8192)
+    model = dataclasses.replace(model, config=config)
+    prompt = np.random.default_rng(1).integers(0, config.vocab_size, 8184).tolist()
+    row = request_row(model, 8, 0.0, 0)
+    scheduler = Scheduler(PagePool(pages=128, page_size=64), rows=2, max_len=8192, max_step_tokens=512,
+                          prefill_chunk=512)
+    runner = PagedRunner(model, rows=2, pages=128, page_size=64, max_len=8192, max_step_tokens=512)
+    whole = Sequence(prompt, budget=8, request=row)
+    scheduler.add(whole)
+    drive(scheduler, runner)
+    want = generate(model, tokens=[prompt], max_new_tokens=8, ignore_eos=True, return_details=True)[0]
+    assert whole.output == want.tokens and len(prompt) + len(whole.output) == 8192
+    runner.shapes.clear()
+    short = [Sequence(list(range(100 + i)), budget=6, request=request_row(model, 6, 0.0, 0)) for i in range(2)]
+    for sequence in short:
+        scheduler.add(sequence)
+    drive(scheduler, runner)
+    assert runner.shapes[-1] == (16, 2) and max(columns for _, columns in runner.shapes) == 2

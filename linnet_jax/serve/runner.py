@@ -66,6 +66,7 @@ class PagedRunner:
         self.token_buckets = [size for size in powers_up_to(max_step_tokens) if size >= MIN_BUCKET] or [max_step_tokens]
         self.column_buckets = powers_up_to(-(-max_len // page_size))
         self.filler = sampling_options(model, 1).requests(1)  # the request row of sequences that begin nothing
+        self.shapes: list[tuple[int, int]] = []  # each step's program shape: (token bucket T, table columns M)
 
     def run(self, plan: StepPlan) -> StepResult:
         """The plan in one dispatch; its tokens and states read back once."""
@@ -87,6 +88,7 @@ class PagedRunner:
         layout = StepLayout(kv_lens=kv_lens, page_indices=table, cu_q_lens=spans,
                             num_seqs=np.asarray([len(parts)], np.int32))
         stacked = jax.tree.map(lambda *columns: np.concatenate(columns), *requests)
+        self.shapes.append((tokens.shape[0], table.shape[1]))
         self.state, token, finish = packed_step(self.model.params, self.model.config, self.state, tokens, layout,
                                                 state_rows, new, choosing, stacked, max_len=self.max_len)
         token, finish = jax.device_get((token, finish))
