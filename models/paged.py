@@ -9,7 +9,7 @@ new token's key and value are written at its position's page before the layer at
 prefill chunk, a decode token and speculative drafts alike, and cost follows the tokens and the table's M columns
 (a bucket), never the pool.
 
-    paged_forward(params, config, tokens [T], cache, layout, logits_at [O]) -> (logits [O, V], cache)
+    paged_forward(params, config, tokens [T], cache, layout, logits_at [O], lora) -> (logits [O, V], cache)
 
 Einsum legend as in `models.decoder`.
 """
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from linnet_jax.models.config import Config
 from linnet_jax.models.decoder import layer_params, residual_block
+from linnet_jax.models.lora import LoraTable
 from linnet_jax.models.params import Params
 from linnet_jax.ops import quantized, rms_norm
 from linnet_jax.ops.paged_attention import ragged_paged_attention, token_places
@@ -64,25 +65,27 @@ def write_places(layout: StepLayout, positions: jax.Array, real: jax.Array, sequ
 
 
 def paged_forward(params: Params, config: Config, tokens: jax.Array, cache: PagedCache, layout: StepLayout,
-                  logits_at: jax.Array) -> tuple[jax.Array, PagedCache]:
+                  logits_at: jax.Array, lora: LoraTable | None = None) -> tuple[jax.Array, PagedCache]:
     """Logits [O, V] (float32) at the packed tokens `logits_at` [O], and the cache with every real token's key and
-    value written. tokens: [T] int32, sequence s's at cu_q_lens[s]:cu_q_lens[s + 1] (padding after the last)."""
+    value written. tokens: [T] int32, sequence s's at cu_q_lens[s]:cu_q_lens[s + 1] (padding after the last).
+    lora: the adapter table with each token's entry (`LoraTable.rows`, index [T]), or None. The blocks run over
+    the tokens as T rows of one position each ([T, 1, D]), so that each token takes its own adapter entry."""
     sequence, positions, real = token_places(layout.cu_q_lens, layout.kv_lens, layout.num_seqs, tokens.shape[0])
     pages, page_size = cache.k[0].shape[0], cache.page_size
     page, offset = write_places(layout, positions, real, sequence, pages, page_size)
-    x = quantized.take_rows(params.embed, tokens[None])  # [1, T, D]
+    x = quantized.take_rows(params.embed, tokens[:, None])  # [T, 1, D]
     keys, values = list(cache.k), list(cache.v)
     for layer in range(config.num_layers):
-        def attend(q, k, v, layer=layer):
-            keys[layer] = keys[layer].at[page, offset].set(k[0].astype(keys[layer].dtype), mode="drop")
-            values[layer] = values[layer].at[page, offset].set(v[0].astype(values[layer].dtype), mode="drop")
-            return ragged_paged_attention(q[0], keys[layer], values[layer], layout.kv_lens, layout.page_indices,
+        def attend(q, k, v, layer=layer):  # [T, 1, H or G, K]
+            keys[layer] = keys[layer].at[page, offset].set(k[:, 0].astype(keys[layer].dtype), mode="drop")
+            values[layer] = values[layer].at[page, offset].set(v[:, 0].astype(values[layer].dtype), mode="drop")
+            return ragged_paged_attention(q[:, 0], keys[layer], values[layer], layout.kv_lens, layout.page_indices,
                                           layout.cu_q_lens, layout.num_seqs,
-                                          window=config.layer_windows[layer])[None]
+                                          window=config.layer_windows[layer])[:, None]
 
-        x = residual_block(x, layer_params(params, layer), config, jnp.where(real, positions, -1)[None], attend,
-                           einsum=quantized.einsum)
-    x = rms_norm(x[0, logits_at], params.final_norm, config.rms_norm_eps)
+        x = residual_block(x, layer_params(params, layer), config, jnp.where(real, positions, -1)[:, None], attend,
+                           None if lora is None else lora.layer(layer), quantized.einsum)
+    x = rms_norm(x[logits_at, 0], params.final_norm, config.rms_norm_eps)
     head = params.embed if params.lm_head is None else params.lm_head
     logits = quantized.einsum("od,vd->ov", x, head, preferred_element_type=jnp.float32)
     return logits, PagedCache(k=tuple(keys), v=tuple(values))

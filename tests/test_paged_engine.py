@@ -5,11 +5,13 @@ through fewer rows and pages than they need at once each equal `generate`."""
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
 import linnet_jax
-from linnet_jax import generate
+from linnet_jax import generate, train
+from linnet_jax.adapters import AdapterTable
 from linnet_jax.inputs import sampling_options, seed_key
 from linnet_jax.serve.pages import PagePool
 from linnet_jax.serve.runner import PagedRunner
@@ -136,3 +138,36 @@ def test_one_request_of_the_whole_context_fits_and_a_step_reads_only_the_pages_i
         scheduler.add(sequence)
     drive(scheduler, runner)
     assert runner.shapes[-1] == (16, 2) and max(columns for _, columns in runner.shapes) == 2
+
+
+def test_requests_on_adapters_and_the_base_in_one_step_equal_generate_with_their_logprobs(model):
+    """Two random rank-4 adapters and the base, mixed in the same packed steps (each token its request's table
+    entry): each request's tokens and logprobs equal generate's with that adapter."""
+    adapters = []
+    for seed in (1, 2):
+        lora = train.init_lora(model.config, train.LoraConfig(rank=4, alpha=8.0), jax.random.key(seed))
+        adapters.append(dataclasses.replace(lora, b={name: 0.05 * jax.random.normal(jax.random.key(seed + 9), b.shape)
+                                                     for name, b in lora.b.items()}))
+    table = AdapterTable(model, max_loras=2, max_lora_rank=8)
+    for entry, lora in enumerate(adapters, 1):
+        table.put(entry, lora)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, model.config.vocab_size, 5 + 3 * i).tolist() for i in range(6)]
+    sequences = []
+    for i, prompt in enumerate(prompts):
+        options = sampling_options(model, 1, ignore_eos=True)
+        sequences.append(Sequence(prompt, budget=5, request=options.requests(5, adapter=i % 3)))
+    scheduler = Scheduler(PagePool(pages=40, page_size=PAGE), rows=4, max_len=64, max_step_tokens=32,
+                          prefill_chunk=16)
+    runner = PagedRunner(model, rows=4, pages=40, page_size=PAGE, max_len=64, max_step_tokens=32)
+    for sequence in sequences:
+        scheduler.add(sequence)
+    while scheduler.busy:
+        plan = scheduler.schedule()
+        scheduler.update(plan, runner.run(plan, lora=table.table))
+    for i, sequence in enumerate(sequences):
+        lora = None if i % 3 == 0 else adapters[i % 3 - 1]
+        want = generate(model, tokens=[sequence.prompt], max_new_tokens=5, ignore_eos=True, lora=lora,
+                        return_details=True)[0]
+        assert sequence.output == want.tokens, i
+        np.testing.assert_allclose(sequence.logprobs, want.logprobs, atol=1e-5)

@@ -10,6 +10,7 @@ tokens are those `generate` gives for the same arguments.
 
 import functools
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +19,7 @@ from linnet_jax.decode import FREE, RUNNING, TRACES, Request, Slots, choose, emp
 from linnet_jax.inputs import MIN_BUCKET, STOP_ID_SLOTS, sampling_options
 from linnet_jax.loaded import Model
 from linnet_jax.models.config import Config
+from linnet_jax.models.lora import LoraTable
 from linnet_jax.models.paged import StepLayout, init_pages, paged_forward
 from linnet_jax.models.params import Params
 from linnet_jax.ops.paged_attention import token_places
@@ -25,30 +27,47 @@ from linnet_jax.serve.engine import powers_up_to
 from linnet_jax.serve.scheduler import StepPlan, StepResult
 
 
+@flax.struct.dataclass
+class Chosen:
+    """What a step chose, per sequence [S]: its token, that token's logprob, its row's finish state, and (asked for)
+    the TOP_LOGPROBS most likely tokens and their logprobs [S, TOP_LOGPROBS]."""
+
+    token: jax.Array
+    logprob: jax.Array
+    finish: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
 def where_rows(pick: jax.Array, new, old):
     """Per row, `new`'s fields where pick [S] holds, else `old`'s (pytrees of [S, ...] arrays)."""
     return jax.tree.map(lambda a, b: jnp.where(pick.reshape(pick.shape + (1,) * (a.ndim - 1)), a, b), new, old)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_len"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "max_len", "top"), donate_argnames=("state",))
 def packed_step(params: Params, config: Config, state: Slots, tokens: jax.Array, layout: StepLayout,
-                rows: jax.Array, new: jax.Array, choosing: jax.Array, requests: Request, max_len: int
-                ) -> tuple[Slots, jax.Array, jax.Array]:
-    """One step: the packed tokens [T] through `paged_forward` (their keys and values into their pages), then each
-    choosing sequence's next token from its last token's logits (`decode.choose`). rows [S]: each sequence's state
-    row (≥ the rows: padding); new [S]: its row begins (takes requests' row, its counts reset); choosing [S]: a
-    decode or a prompt's last chunk. Returns the state and each sequence's token and finish state [S]."""
+                rows: jax.Array, new: jax.Array, choosing: jax.Array, requests: Request, max_len: int,
+                lora: LoraTable | None = None, top: bool = False) -> tuple[Slots, Chosen]:
+    """One step: the packed tokens [T] through `paged_forward` (their keys and values into their pages, each token
+    with its request's adapter entry), then each choosing sequence's next token from its last token's logits
+    (`decode.choose`). rows [S]: each sequence's state row (≥ the rows: padding); new [S]: its row begins (takes
+    requests' row, its counts reset); choosing [S]: a decode or a prompt's last chunk; top: record the top
+    logprobs. Returns the state and what each sequence chose."""
     TRACES["packed_step"] += 1
-    logits, cache = paged_forward(params, config, tokens, state.cache, layout, jnp.maximum(layout.cu_q_lens[1:] - 1, 0))
     part = rows_of(state, rows)
     zeroed = part.replace(seen=jnp.zeros_like(part.seen), generated=jnp.zeros_like(part.generated),
                           count=jnp.zeros_like(part.count), request=requests)
     part = where_rows(new, zeroed, part)
     sequence, _, real = token_places(layout.cu_q_lens, layout.kv_lens, layout.num_seqs, tokens.shape[0])
+    adapters = None if lora is None else lora.rows(part.request.adapter[sequence])
+    logits, cache = paged_forward(params, config, tokens, state.cache, layout,
+                                  jnp.maximum(layout.cu_q_lens[1:] - 1, 0), adapters)
     part = part.replace(seen=part.seen.at[sequence, tokens].max(real), length=layout.kv_lens,
                         finish=jnp.where(choosing, RUNNING, FREE).astype(jnp.int32))
-    part = choose(part, logits, max_len, top=False, active=choosing)
-    return with_rows(state.replace(cache=cache), rows, part), part.token, part.finish
+    part = choose(part, logits, max_len, top=top, active=choosing)
+    chosen = Chosen(token=part.token, logprob=part.logprob, finish=part.finish, top_ids=part.top_ids,
+                    top_logprobs=part.top_logprobs)
+    return with_rows(state.replace(cache=cache), rows, part), chosen
 
 
 def bucket(sizes: list[int], count: int) -> int:
@@ -68,8 +87,9 @@ class PagedRunner:
         self.filler = sampling_options(model, 1).requests(1)  # the request row of sequences that begin nothing
         self.shapes: list[tuple[int, int]] = []  # each step's program shape: (token bucket T, table columns M)
 
-    def run(self, plan: StepPlan) -> StepResult:
-        """The plan in one dispatch; its tokens and states read back once."""
+    def run(self, plan: StepPlan, lora: LoraTable | None = None, top: bool = False) -> StepResult:
+        """The plan in one dispatch (lora: the adapter table the requests' entries index; top: report the top
+        logprobs); what it chose read back once."""
         parts, rows = plan.scheduled, self.rows
         tokens = np.zeros(bucket(self.token_buckets, plan.tokens), np.int32)
         tokens[:plan.tokens] = [token for part in parts for token in part.tokens]
@@ -89,7 +109,9 @@ class PagedRunner:
                             num_seqs=np.asarray([len(parts)], np.int32))
         stacked = jax.tree.map(lambda *columns: np.concatenate(columns), *requests)
         self.shapes.append((tokens.shape[0], table.shape[1]))
-        self.state, token, finish = packed_step(self.model.params, self.model.config, self.state, tokens, layout,
-                                                state_rows, new, choosing, stacked, max_len=self.max_len)
-        token, finish = jax.device_get((token, finish))
-        return StepResult(tuple(token[:len(parts)].tolist()), tuple(finish[:len(parts)].tolist()))
+        self.state, chosen = packed_step(self.model.params, self.model.config, self.state, tokens, layout, state_rows,
+                                         new, choosing, stacked, max_len=self.max_len, lora=lora, top=top)
+        chosen = jax.tree.map(lambda column: column[:len(parts)], jax.device_get(chosen))
+        return StepResult(tuple(chosen.token.tolist()), tuple(chosen.finish.tolist()),
+                          tuple(chosen.logprob.tolist()),
+                          tuple(zip(chosen.top_ids.tolist(), chosen.top_logprobs.tolist())) if top else ())

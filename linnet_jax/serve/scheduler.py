@@ -41,6 +41,7 @@ class Sequence:
     pages: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0  # positions whose keys and values are in its pages
     output: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # each output token's, when the runner gives them
     finish: str | None = None  # "stop" (a stop id) or "length" once done
     id: int = dataclasses.field(default_factory=itertools.count().__next__)
 
@@ -81,10 +82,13 @@ class StepPlan:
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     """What a runner read back: per scheduled sequence, its chosen token and its row's state (RUNNING, STOP_ID or
-    LENGTH); entries of sequences that chose nothing are ignored."""
+    LENGTH), that token's logprob, and (asked for) its top (ids, logprobs); entries of sequences that chose
+    nothing are ignored."""
 
     tokens: tuple[int, ...]
     states: tuple[int, ...]
+    logprobs: tuple[float, ...] = ()
+    top: tuple[tuple[list[int], list[float]], ...] = ()
 
 
 class Scheduler:
@@ -158,7 +162,7 @@ class Scheduler:
         """The step's effects: positions computed, a prompt's pages published when its prefill completes, chosen
         tokens given (a stop id is not output), finished sequences' pages and rows freed. Returns those finished."""
         finished = []
-        for part, token, state in zip(plan.scheduled, result.tokens, result.states):
+        for i, (part, token, state) in enumerate(zip(plan.scheduled, result.tokens, result.states)):
             sequence = part.sequence
             was_prefilling = sequence.prefilling
             sequence.computed += len(part.tokens)
@@ -168,6 +172,7 @@ class Scheduler:
                 continue
             if state != STOP_ID:
                 sequence.output.append(token)
+                sequence.logprobs += result.logprobs[i:i + 1]
             if state != RUNNING:
                 sequence.finish = "stop" if state == STOP_ID else "length"
                 finished.append(self.finish(sequence))
