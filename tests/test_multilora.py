@@ -228,7 +228,7 @@ def test_the_serve_command_serves_two_adapters(tiny_chat_dir, adapters, expected
     (["--lora", "a"], "argument --lora: expected NAME=PATH, got 'a'"),
     (["--lora", "a=x", "--lora", "a=y"], "--lora a=... is given twice"),
     (["--lora", "a=x", "--lora", "b=y", "--max-loras", "1"], "2 --lora adapters need --max-loras 2 or more"),
-    (["--lora", "/nowhere=x"], "--lora /nowhere=...: '/nowhere' is the base model's name"),
+    (["--lora", "/nowhere=x"], "an adapter's name must be a model id"),
     (["--lora", "a=/nowhere"], "--lora a=/nowhere: LoRA adapter '/nowhere': cannot read PEFT's adapter_config.json"),
     (["--lora", "a={a}", "--max-lora-rank", "8"], "the adapter's rank 16 is above --max-lora-rank 8"),
     (["--max-lora-rank", "0"], "argument --max-lora-rank"),
