@@ -15,7 +15,7 @@ import jax
 import jsonschema
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 from test_serve import MODEL, refused_flags, serving
@@ -299,6 +299,12 @@ def test_fuzzed_grammar_specs_get_only_200s_and_400s_and_finished_outputs_follow
     with serving(engine) as url:
         @FUZZ
         @given(spec=SPECS)
+        @example(spec={"json": reference_chain(1000)})  # the reproducers first: they crashed or gave "stop"
+        @example(spec={"grammar": rule_chain(3000)})
+        @example(spec={"grammar": gbnf_chain(5000)})
+        @example(spec=UNSATISFIABLE[0])
+        @example(spec=UNSATISFIABLE[1])
+        @example(spec=UNSATISFIABLE[2])
         def request(spec):
             [(kind, value)] = spec.items()
             body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 0,
