@@ -118,15 +118,15 @@ def test_paged_runner_and_scheduler_equal_generate_request_for_request(model):
 
 def test_one_request_of_the_whole_context_fits_and_a_step_reads_only_the_pages_in_use(model):
     """On the model with an 8,192-position context: one request of all of it (8,184 prompt tokens, 8 new) through
-    a pool of exactly 8,192 positions equals generate; then requests of about 100 tokens decode over a table of 2
-    columns of 64 (their pages), not 128 (max_len's)."""
+    a pool of exactly 8,192 positions equals generate; then requests of about 100 tokens decode over a table of 1
+    column of 128 (their page), not 64 (max_len's)."""
     config = dataclasses.replace(model.config, max_position_embeddings=8192)
     model = dataclasses.replace(model, config=config)
     prompt = np.random.default_rng(1).integers(0, config.vocab_size, 8184).tolist()
     row = request_row(model, 8, 0.0, 0)
-    scheduler = Scheduler(PagePool(pages=128, page_size=64), rows=2, max_len=8192, max_step_tokens=512,
-                          prefill_chunk=512)
-    runner = PagedRunner(model, rows=2, pages=128, page_size=64, max_len=8192, max_step_tokens=512)
+    scheduler = Scheduler(PagePool(pages=64, page_size=128), rows=2, max_len=8192, max_step_tokens=2048,
+                          prefill_chunk=2048)
+    runner = PagedRunner(model, rows=2, pages=64, page_size=128, max_len=8192, max_step_tokens=2048)
     whole = Sequence(prompt, budget=8, request=row)
     scheduler.add(whole)
     drive(scheduler, runner)
@@ -137,7 +137,7 @@ def test_one_request_of_the_whole_context_fits_and_a_step_reads_only_the_pages_i
     for sequence in short:
         scheduler.add(sequence)
     drive(scheduler, runner)
-    assert runner.shapes[-1] == (16, 2) and max(columns for _, columns in runner.shapes) == 2
+    assert runner.shapes[-1] == (16, 1) and max(columns for _, columns in runner.shapes) == 1
 
 
 def test_requests_on_adapters_and_the_base_in_one_step_equal_generate_with_their_logprobs(model):
