@@ -175,8 +175,8 @@ def adapters_of(source, config: Config) -> Lora:
 
 def check_weights(lora: Lora, where: str) -> None:
     """A ValueError naming what is wrong unless the scale is at most MAX_SCALE in size and every adapter weight is
-    finite and changes the model's weights by at most MAX_WEIGHT_CHANGE (scale × rank × max|A| × max|B|, a bound on every entry of scale·A·B), as the base
-    model's weights are checked for finite values."""
+    finite and changes the model's weights by at most MAX_WEIGHT_CHANGE (scale × rank × max|A| × max|B|, a bound
+    on every entry of scale·A·B), as the base model's weights are checked for finite values."""
     if not abs(lora.scale) <= MAX_SCALE:
         raise ValueError(f"{where}: its scale (lora_alpha / r) is {lora.scale:.3g}; expected at most {MAX_SCALE:g} "
                          f"in size")

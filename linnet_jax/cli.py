@@ -263,7 +263,8 @@ def check_flags(arguments: argparse.ArgumentParser, args) -> None:
         if args.lora_dir is not None and not Path(args.lora_dir).is_dir():
             arguments.error(f"--lora-dir {args.lora_dir}: not a directory")
         if args.num_processes is not None and (args.lora or args.max_loras or args.allow_runtime_lora_updating):
-            arguments.error("--lora and --max-loras are not served across processes: serve adapters from one process")
+            arguments.error("--lora, --max-loras and --allow-runtime-lora-updating are not served across processes: "
+                            "serve adapters from one process")
         if args.rules is not None and args.mesh is None and args.coordinator is None:
             arguments.error("--rules needs --mesh (or --coordinator)")
         if args.replicas is None and (given := next((flag for flag, value in (

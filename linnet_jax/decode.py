@@ -46,7 +46,8 @@ from linnet_jax.ops import SamplingParams, bitmask_words, masked, penalized, sam
 FREE, RUNNING, STOP_ID, LENGTH = -1, 0, 1, 2  # a row's finish state
 TOP_LOGPROBS = 20  # the most likely tokens reported beside each chosen one (OpenAI's top_logprobs limit)
 # incremented when a program is traced
-TRACES = {"extend": 0, "choose_first": 0, "decode": 0, "verify": 0, "free": 0, "scrub": 0, "put_lora": 0, "packed_step": 0}
+TRACES = {"extend": 0, "choose_first": 0, "decode": 0, "verify": 0, "free": 0, "scrub": 0, "put_lora": 0,
+          "packed_step": 0}
 BIAS_SLOTS = 300  # logit bias entries per row (OpenAI's limit), padded
 ALL_ALLOWED = 0xFFFFFFFF  # a bitmask word that allows its 32 tokens
 

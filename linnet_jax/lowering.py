@@ -5,9 +5,9 @@ first chunk of C tokens, attending to its own C keys) and `extend_{C}_continued`
 row's max_len slots, or on a CPU the fewest spans that hold its keys: `ops.attention.key_spans`) for each width C
 of the engine's prefill dispatches (`inputs.prefill_widths` of its prefill_chunk), `choose_first` (the first
 token of the prompts a chunk ends), `decode`, `verify` (n-gram drafts), `free`, `scrub` (a slot freed after a
-failed request), and `train_step` (AdamW, full fine-tuning); and, for an engine serving LoRA adapters, each extend, decode and verify again as `{name}_lora`
-(taking the engine's adapter table: its default max_loras adapters and the base, at its default max_lora_rank)
-and `put_lora` (an adapter written into the table).
+failed request), and `train_step` (AdamW, full fine-tuning); and, for an engine serving LoRA adapters, each
+extend, decode and verify again as `{name}_lora` (taking the engine's adapter table: its default max_loras
+adapters and the base, at its default max_lora_rank) and `put_lora` (an adapter written into the table).
 Each takes what it takes on that platform under its hardware plan (`linnet_jax.backend`): on a GPU or
 TPU the stacked `[layers, ...]` weights, sliced inside the program, and XLA's own products. Nothing is
 placed on a device: the arguments are shapes (`jax.ShapeDtypeStruct`) and `Traced.lower` takes the

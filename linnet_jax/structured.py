@@ -103,7 +103,9 @@ def grammar(spec) -> str:
             raise RequestError(FIELD, f"structured json must be a JSON schema: an object, the JSON text of one, or "
                                       f"true (any value); got {value!r}")
         check_schema(schema)
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_LAYOUT)
+        text = json.dumps(schema)
+        check_bound(kind, utf8_bytes(text), "bytes of JSON", MAX_SPEC_BYTES)
+        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_LAYOUT)
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise RequestError(FIELD, f"structured choice must be a non-empty list of non-empty strings, "
@@ -130,8 +132,8 @@ def check_bound(kind: str, count: int, what: str, most: int) -> None:
 
 def check_schema(schema: dict) -> None:
     """A RequestError naming `structured` when a JSON schema is over a bound: MAX_NESTING objects and arrays deep,
-    MAX_SCHEMA_REFERENCES "$ref"s, MAX_SPEC_BYTES of JSON text. Walked without recursion, so that no depth of
-    nesting can overflow the stack here either."""
+    or MAX_SCHEMA_REFERENCES "$ref"s. Walked without recursion, so that no depth of nesting can overflow the stack
+    here either (and before json.dumps, which recurses)."""
     pending, references = [(schema, 1)], 0
     while pending:
         node, depth = pending.pop()
@@ -140,7 +142,6 @@ def check_schema(schema: dict) -> None:
         children = node.values() if isinstance(node, dict) else node
         pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
     check_bound("json", references, '"$ref"s', MAX_SCHEMA_REFERENCES)
-    check_bound("json", len(json.dumps(schema).encode()), "bytes of JSON", MAX_SPEC_BYTES)
 
 
 def utf8_bytes(text: str) -> int:
@@ -167,11 +168,11 @@ class Constraint:
 
     def mask(self) -> np.ndarray:
         """[W] uint32: the tokens the grammar allows next (the model's eos ids once it may end); a RequestError
-        naming `structured` when it allows none (`dead_end`)."""
+        naming `structured` when it allows none (`check`)."""
         if self._mask is None:
             mask = np.zeros((1, self.words), np.int32)
             llguidance.numpy.fill_next_token_bitmask(self.matcher, mask)
-            self.check("after the output so far")
+            self.check()
             self._mask = mask[0].view(np.uint32)
         return self._mask
 
@@ -182,19 +183,19 @@ class Constraint:
         that does not follow its grammar."""
         self.matcher.consume_tokens(tokens)
         self._mask = None
-        self.check("after the output so far")
+        self.check()
         if self.matcher.is_stopped():
             return True
         self.mask()
         return False
 
-    def check(self, where: str) -> None:
+    def check(self) -> None:
         """A RequestError naming `structured` when the matcher is in its error state (the grammar allows nothing
         more), with the first line of llguidance's reason."""
         if self.matcher.is_error():
             reason = (self.matcher.get_error().strip().splitlines() or ["no reason given"])[0]
-            raise RequestError(FIELD, f"the structured output's grammar can never be completed {where} (no output "
-                                      f"follows it; llguidance: {reason})")
+            raise RequestError(FIELD, f"the structured output's grammar can never be completed from here (no "
+                                      f"output follows it; llguidance: {reason})")
 
 
 def constraint(model: Model, spec) -> Constraint:

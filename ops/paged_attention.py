@@ -42,8 +42,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     q: [T, H, D]; k_pages, v_pages: [P, C, G, D]; kv_lens: [S] int32; page_indices: [S, M] int32 (pages of the
     pool; entries past a sequence's last page are never read into its result); cu_q_lens: [S + 1] int32;
     num_seqs: [1] int32; sm_scale: the scores' scale (default 1/√D); window: a sliding window, keys fewer than
-    `window` positions before the query's (0: every earlier key, HF's and the kernels' convention). Returns [T, H, D] in q's dtype, softmax in
-    float32."""
+    `window` positions before the query's (0: every earlier key, HF's and the kernels' convention). Returns
+    [T, H, D] in q's dtype, softmax in float32."""
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs = map(
         jnp.asarray, (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs))
     tokens, heads, size = q.shape

@@ -175,7 +175,8 @@ def test_bad_adapters_are_400s_at_load_and_the_server_serves_on(engine, tmp_path
             assert response.status_code == 400 and response.json()["error"]["param"] == "lora_name", response.text
             assert "model id" in response.json()["error"]["message"] and len(response.text) < 1000
         assert engine.loras == {}
-        answer = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
+        answer = httpx.post(f"{url}/v1/completions",
+                            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
                             timeout=60)
         assert answer.json()["choices"][0]["text"] == generate(model, PROMPT, 8, chat=False)
     with pytest.raises(RequestError, match="NaN or infinite"):

@@ -75,7 +75,8 @@ def test_prompts_share_their_cached_pages_by_reference():
     scheduler.add(third)
     plan = scheduler.schedule()
     assert [part.start for part in plan.scheduled] == [12, 8]  # only the uncached tokens are computed
-    assert plan.scheduled[0].pages[:3] == tuple(first.pages[:3]) and plan.scheduled[1].pages[:2] == tuple(first.pages[:2])
+    assert plan.scheduled[0].pages[:3] == tuple(first.pages[:3])
+    assert plan.scheduled[1].pages[:2] == tuple(first.pages[:2])
     drive(scheduler, runner)
     assert pool.counters["hit_tokens"] == 12 + 8 and pool.available == pool.pages
 

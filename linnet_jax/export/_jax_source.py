@@ -37,7 +37,8 @@ MODEL_SOURCES: dict[str, list[str]] = {
                                  "layer_slices"],
     "linnet_jax.models.lora": ["Lora", "lora_term", "LoraTable", "table_term"],
     "linnet_jax.models.decoder": ["KVCache", "init_cache", "project_qkv", "write_slots", "update_cache",
-                                  "take_rows", "attended", "residual_block", "decoder_layer", "forward", "layer_params"],
+                                  "take_rows", "attended", "residual_block", "decoder_layer", "forward",
+                                  "layer_params"],
     "linnet_jax.inputs": ["MIN_BUCKET", "bucket"],
 }
 

@@ -284,9 +284,10 @@ def create_app(engine: Engine, *, model_name: str, api_key: str | None = None,
             raise APIError(400, f"n={n} choices of {len(prompts)} prompt(s) need more than the server's "
                                 f"{engine.slots} slots", "n")
         seed = secrets.randbits(63) if body.seed is None else body.seed
+        spec, field = structured(body)
         options = engine_options(body, top_logprobs) | {"seed": seed, "lora": check_model(body.model),
-                                                        "structured": structured(body)[0]}
-        return await asyncio.to_thread(submit_all, engine, prompts, n, options, prompt_field, body_names(body))
+                                                        "structured": spec}
+        return await asyncio.to_thread(submit_all, engine, prompts, n, options, prompt_field, {"structured": field})
 
     def check_request(body: Sampling) -> None:
         check_model(body.model)

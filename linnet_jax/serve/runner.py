@@ -29,14 +29,11 @@ from linnet_jax.serve.scheduler import StepPlan, StepResult
 
 @flax.struct.dataclass
 class Chosen:
-    """What a step chose, per sequence [S]: its token, that token's logprob, its row's finish state, and (asked for)
-    the TOP_LOGPROBS most likely tokens and their logprobs [S, TOP_LOGPROBS]."""
+    """What a step chose, per sequence [S]: its token, that token's logprob and its row's finish state."""
 
     token: jax.Array
     logprob: jax.Array
     finish: jax.Array
-    top_ids: jax.Array
-    top_logprobs: jax.Array
 
 
 def where_rows(pick: jax.Array, new, old):
@@ -44,15 +41,15 @@ def where_rows(pick: jax.Array, new, old):
     return jax.tree.map(lambda a, b: jnp.where(pick.reshape(pick.shape + (1,) * (a.ndim - 1)), a, b), new, old)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_len", "top"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "max_len"), donate_argnames=("state",))
 def packed_step(params: Params, config: Config, state: Slots, tokens: jax.Array, layout: StepLayout,
                 rows: jax.Array, new: jax.Array, choosing: jax.Array, requests: Request, max_len: int,
-                lora: LoraTable | None = None, top: bool = False) -> tuple[Slots, Chosen]:
+                lora: LoraTable | None = None) -> tuple[Slots, Chosen]:
     """One step: the packed tokens [T] through `paged_forward` (their keys and values into their pages, each token
     with its request's adapter entry), then each choosing sequence's next token from its last token's logits
     (`decode.choose`). rows [S]: each sequence's state row (≥ the rows: padding); new [S]: its row begins (takes
-    requests' row, its counts reset); choosing [S]: a decode or a prompt's last chunk; top: record the top
-    logprobs. Returns the state and what each sequence chose."""
+    requests' row, its counts reset); choosing [S]: a decode or a prompt's last chunk. Returns the state and what
+    each sequence chose."""
     TRACES["packed_step"] += 1
     part = rows_of(state, rows)
     zeroed = part.replace(seen=jnp.zeros_like(part.seen), generated=jnp.zeros_like(part.generated),
@@ -64,10 +61,8 @@ def packed_step(params: Params, config: Config, state: Slots, tokens: jax.Array,
                                   jnp.maximum(layout.cu_q_lens[1:] - 1, 0), adapters)
     part = part.replace(seen=part.seen.at[sequence, tokens].max(real), length=layout.kv_lens,
                         finish=jnp.where(choosing, RUNNING, FREE).astype(jnp.int32))
-    part = choose(part, logits, max_len, top=top, active=choosing)
-    chosen = Chosen(token=part.token, logprob=part.logprob, finish=part.finish, top_ids=part.top_ids,
-                    top_logprobs=part.top_logprobs)
-    return with_rows(state.replace(cache=cache), rows, part), chosen
+    part = choose(part, logits, max_len, top=False, active=choosing)
+    return with_rows(state.replace(cache=cache), rows, part), Chosen(part.token, part.logprob, part.finish)
 
 
 def bucket(sizes: list[int], count: int) -> int:
@@ -87,9 +82,9 @@ class PagedRunner:
         self.filler = sampling_options(model, 1).requests(1)  # the request row of sequences that begin nothing
         self.shapes: list[tuple[int, int]] = []  # each step's program shape: (token bucket T, table columns M)
 
-    def run(self, plan: StepPlan, lora: LoraTable | None = None, top: bool = False) -> StepResult:
-        """The plan in one dispatch (lora: the adapter table the requests' entries index; top: report the top
-        logprobs); what it chose read back once."""
+    def run(self, plan: StepPlan, lora: LoraTable | None = None) -> StepResult:
+        """The plan in one dispatch (lora: the adapter table the requests' entries index); what it chose read back
+        once."""
         parts, rows = plan.scheduled, self.rows
         tokens = np.zeros(bucket(self.token_buckets, plan.tokens), np.int32)
         tokens[:plan.tokens] = [token for part in parts for token in part.tokens]
@@ -110,8 +105,6 @@ class PagedRunner:
         stacked = jax.tree.map(lambda *columns: np.concatenate(columns), *requests)
         self.shapes.append((tokens.shape[0], table.shape[1]))
         self.state, chosen = packed_step(self.model.params, self.model.config, self.state, tokens, layout, state_rows,
-                                         new, choosing, stacked, max_len=self.max_len, lora=lora, top=top)
+                                         new, choosing, stacked, max_len=self.max_len, lora=lora)
         chosen = jax.tree.map(lambda column: column[:len(parts)], jax.device_get(chosen))
-        return StepResult(tuple(chosen.token.tolist()), tuple(chosen.finish.tolist()),
-                          tuple(chosen.logprob.tolist()),
-                          tuple(zip(chosen.top_ids.tolist(), chosen.top_logprobs.tolist())) if top else ())
+        return StepResult(tuple(chosen.token.tolist()), tuple(chosen.finish.tolist()), tuple(chosen.logprob.tolist()))

@@ -81,14 +81,12 @@ class StepPlan:
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    """What a runner read back: per scheduled sequence, its chosen token and its row's state (RUNNING, STOP_ID or
-    LENGTH), that token's logprob, and (asked for) its top (ids, logprobs); entries of sequences that chose
-    nothing are ignored."""
+    """What a runner read back: per scheduled sequence, its chosen token, its row's state (RUNNING, STOP_ID or
+    LENGTH) and that token's logprob; entries of sequences that chose nothing are ignored."""
 
     tokens: tuple[int, ...]
     states: tuple[int, ...]
     logprobs: tuple[float, ...] = ()
-    top: tuple[tuple[list[int], list[float]], ...] = ()
 
 
 class Scheduler:
@@ -97,7 +95,8 @@ class Scheduler:
     def __init__(self, pool: PagePool, rows: int, max_len: int, max_step_tokens: int, prefill_chunk: int):
         if max_step_tokens < rows:
             raise ValueError(f"max_step_tokens ({max_step_tokens}) must carry a token of each of the {rows} rows")
-        self.pool, self.max_len, self.max_step_tokens, self.prefill_chunk = pool, max_len, max_step_tokens, prefill_chunk
+        self.pool, self.max_len = pool, max_len
+        self.max_step_tokens, self.prefill_chunk = max_step_tokens, prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, oldest first
         self.free_rows = list(range(rows))
