@@ -312,7 +312,7 @@ def test_fuzzed_grammar_specs_get_only_200s_and_400s_and_finished_outputs_follow
                     "structured_outputs": {kind: value}}
             response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
             assert response.status_code in (200, 400), (spec, response.text)
-            health = httpx.get(f"{url}/health", timeout=1.0)  # a timeout fails the test
+            health = httpx.get(f"{url}/health", timeout=10.0)  # a stalled server fails it (not a speed test)
             assert health.status_code == 200
             if response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "stop":
                 assert follows(spec, response.json()["choices"][0]["text"]), (spec, response.text)

@@ -61,6 +61,10 @@ def test_a_workload_larger_than_the_pool_completes_within_each_steps_budget():
     assert pool.available == pool.pages and scheduler.promised == 0
     with pytest.raises(ValueError, match="more than the pool's 12 pages"):
         scheduler.add(Sequence(list(range(40)), budget=20))
+    with pytest.raises(ValueError, match="the prompt has 64 tokens; max_len=64"):
+        scheduler.add(Sequence(list(range(64)), budget=1))
+    with pytest.raises(ValueError, match="must carry a token of each of the 3 rows"):
+        Scheduler(pool, rows=3, max_len=64, max_step_tokens=2, prefill_chunk=4)
 
 
 def test_prompts_share_their_cached_pages_by_reference():

@@ -36,6 +36,9 @@ def test_pages_are_held_released_and_a_request_that_does_not_fit_takes_nothing()
     with pytest.raises(ValueError, match="no request holds it"):
         pool.release(first + first)
     assert pool.pages_for(9) == 3 and pool.pages_for(8) == 2
+    for bad in (dict(pages=0, page_size=4), dict(pages=4, page_size=True), dict(pages=2.0, page_size=4)):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            PagePool(**bad)
 
 
 def test_prompts_share_their_leading_full_pages_by_reference():
