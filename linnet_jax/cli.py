@@ -72,9 +72,14 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument("--overwrite", action="store_true", help="write over an existing OUT")
     export.add_argument("out", metavar="OUT", help="a directory (a .gguf file for --format gguf)")
     serve = commands.add_parser("serve", parents=[source, weights], help="an OpenAI-compatible HTTP server")
-    serve.add_argument("--slots", type=positive_int, default=16, help="requests decoded together (cache rows)")
+    serve.add_argument("--slots", type=positive_int, default=16, help="the most requests in flight together")
     serve.add_argument("--max-len", type=positive_int, default=None,
-                       help="positions per slot: prompt + new tokens (default 640, or the model's context if shorter)")
+                       help="the longest request: prompt + new tokens (default: the model's context)")
+    serve.add_argument("--page-size", type=positive_int, default=None,
+                       help="positions per page of the KV cache (default 64)")
+    serve.add_argument("--kv-cache-gb", type=positive_float, default=None,
+                       help="the KV cache's pool in GiB, shared by every request (default: slots x max-len positions, "
+                            "at most 2 GiB)")
     serve.add_argument("--max-queue", type=positive_int, default=256, help="waiting requests before 429s")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=port, default=8000)
@@ -83,14 +88,13 @@ def parser() -> argparse.ArgumentParser:
                        help="the largest request body taken; larger ones are answered 413 (default 1 MiB)")
     serve.add_argument("--shutdown-deadline", type=non_negative_float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM/SIGINT before they are cancelled")
-    serve.add_argument("--prefill-batch", type=positive_int, default=4, help="prompts prefilled in one dispatch")
     serve.add_argument("--prefill-chunk", type=positive_int, default=256,
-                       help="the most tokens of one prompt per dispatch (a power of two ≥ 16): longer prompts go in "
-                            "chunks, decoding continuing between them")
+                       help="the most tokens of one prompt per step: longer prompts go in chunks, the decoding "
+                            "requests running in each step")
     serve.add_argument("--max-step-tokens", type=positive_int, default=None,
-                       help="the most tokens one prefill dispatch carries (default prefill-batch x prefill-chunk)")
+                       help="the most tokens one step carries, decoding and prefilling (default 2 x prefill-chunk, "
+                            "at least slots x (1 + speculative tokens))")
     serve.add_argument("--no-prefix-cache", action="store_true", help="recompute shared prompt prefixes every time")
-    serve.add_argument("--prefix-cache-gb", type=positive_float, default=1.0, help="the prefix cache's size in GiB")
     serve.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                        help='n-gram speculative decoding, vLLM\'s names: \'{"method": "ngram", '
                             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
@@ -241,13 +245,13 @@ def check_flags(arguments: argparse.ArgumentParser, args) -> None:
         if args.log_samples and not args.output:
             arguments.error("--log-samples needs --output, the file the samples go to")
         return
-    from linnet_jax.inputs import MIN_BUCKET, make_sampling
+    from linnet_jax.inputs import make_sampling
 
     if args.command == "serve":
         from linnet_jax.adapters import DEFAULT_MAX_LORAS, peft_rank
         from linnet_jax.load import DEFAULT_MODEL
         from linnet_jax.serve.errors import check_api_key
-        from linnet_jax.serve.engine import DEFAULT_MAX_LEN
+        from linnet_jax.serve.engine import step_tokens
         from linnet_jax.speculative import check_fits, speculative_config
 
         spread = (args.coordinator, args.num_processes, args.process_id)
@@ -273,8 +277,8 @@ def check_flags(arguments: argparse.ArgumentParser, args) -> None:
         if args.replicas is not None and args.coordinator is not None:
             arguments.error("--replicas and --coordinator do not go together: replicas are engines of their own, "
                             "--coordinator spreads one engine over processes")
-        if args.max_len is not None and args.max_len < MIN_BUCKET:
-            arguments.error(f"--max-len must be at least {MIN_BUCKET}, got {args.max_len}")
+        if args.max_len is not None and args.max_len < 2:
+            arguments.error(f"--max-len must be at least 2 (a prompt token and a new one), got {args.max_len}")
         names = [name for name, _ in args.lora or ()]
         if repeated := next((name for name in names if names.count(name) > 1), None):
             arguments.error(f"--lora {repeated}=... is given twice")
@@ -291,8 +295,9 @@ def check_flags(arguments: argparse.ArgumentParser, args) -> None:
                 arguments.error(f"--lora {name}={path}: the adapter's rank {rank} is above --max-lora-rank "
                                 f"{args.max_lora_rank}")
         try:
-            check_fits(speculative_config(args.speculative_config, "--speculative-config"), args.slots,
-                       args.max_len or DEFAULT_MAX_LEN, args.max_step_tokens or args.prefill_batch * args.prefill_chunk,
+            speculative = speculative_config(args.speculative_config, "--speculative-config")
+            check_fits(speculative, args.slots, args.max_len or 2**31,
+                       step_tokens(args.slots, args.prefill_chunk, speculative, args.max_step_tokens),
                        "--speculative-config")
             check_api_key(args.api_key, "--api-key")
         except ValueError as error:
@@ -543,11 +548,12 @@ def serve_mesh(args) -> dict:
 def engine_options(args) -> dict:
     """`Engine` keywords from serve's flags."""
     from linnet_jax.adapters import DEFAULT_MAX_LORAS
+    from linnet_jax.serve.engine import DEFAULT_PAGE_SIZE
 
     return {"slots": args.slots, "max_len": args.max_len, "max_queue": args.max_queue,
-            "prefill_batch": args.prefill_batch, "prefill_chunk": args.prefill_chunk,
-            "max_step_tokens": args.max_step_tokens, "prefix_cache": not args.no_prefix_cache,
-            "prefix_cache_gb": args.prefix_cache_gb, "speculative": args.speculative_config,
+            "page_size": args.page_size or DEFAULT_PAGE_SIZE, "kv_cache_gb": args.kv_cache_gb,
+            "prefill_chunk": args.prefill_chunk, "max_step_tokens": args.max_step_tokens,
+            "prefix_cache": not args.no_prefix_cache, "speculative": args.speculative_config,
             "loras": None if args.lora is None and args.max_loras is None and not args.allow_runtime_lora_updating
             else dict(args.lora or ()),
             "max_loras": args.max_loras or DEFAULT_MAX_LORAS, "max_lora_rank": args.max_lora_rank}

@@ -327,16 +327,3 @@ def free(slots: Slots, slot: jax.Array) -> Slots:
     """Row `slot` emptied: FREE (its keys and values are left: a new request overwrites them before reading)."""
     TRACES["free"] += 1
     return slots.replace(finish=slots.finish.at[slot].set(FREE), count=slots.count.at[slot].set(0))
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def scrub(slots: Slots, slot: jax.Array) -> Slots:
-    """Row `slot` emptied (`free`) and its keys and values zeroed: after a request that failed, whose cache may hold
-    NaN, which a later request's masked positions would still multiply (0 × NaN) in the attention's product."""
-    TRACES["scrub"] += 1
-    cache = slots.cache
-    heads = cache.k[0].shape[0] // slots.finish.shape[0]  # G rows of the cache per slot
-    rows = slot * heads + jnp.arange(heads)
-    zeroed = cache.replace(k=tuple(k.at[rows].set(0, mode="drop") for k in cache.k),
-                           v=tuple(v.at[rows].set(0, mode="drop") for v in cache.v))
-    return free(slots.replace(cache=zeroed), slot)

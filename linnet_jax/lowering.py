@@ -4,9 +4,11 @@ The programs are the ones `generate`, `serve.Engine` and a train step compile: `
 first chunk of C tokens, attending to its own C keys) and `extend_{C}_continued` (a later chunk, reading the
 row's max_len slots, or on a CPU the fewest spans that hold its keys: `ops.attention.key_spans`) for each width C
 of the engine's prefill dispatches (`inputs.prefill_widths` of its prefill_chunk), `choose_first` (the first
-token of the prompts a chunk ends), `decode`, `verify` (n-gram drafts), `free`, `scrub` (a slot freed after a
-failed request), and `train_step` (AdamW, full fine-tuning); and, for an engine serving LoRA adapters, each
-extend, decode and verify again as `{name}_lora` (taking the engine's adapter table: its default max_loras
+token of the prompts a chunk ends), `decode`, `verify` (n-gram drafts), `free` (what `generate` runs), the
+serving engine's token-packed step over a paged cache at 16 and at STEP_TOKENS tokens (`step_16`, `step_512`:
+`serve.runner.packed_step`, with DRAFTS drafts a sequence), `scrub_pages` (a failed request's pages zeroed), and
+`train_step` (AdamW, full fine-tuning); and, for an engine serving LoRA adapters, each
+extend, decode, verify and step again as `{name}_lora` (taking the engine's adapter table: its default max_loras
 adapters and the base, at its default max_lora_rank) and `put_lora` (an adapter written into the table).
 Each takes what it takes on that platform under its hardware plan (`linnet_jax.backend`): on a GPU or
 TPU the stacked `[layers, ...]` weights, sliced inside the program, and XLA's own products. Nothing is
@@ -21,17 +23,21 @@ import optax
 
 from linnet_jax.adapters import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, put_entry
 from linnet_jax.backend import decode_params, plan_for_platform
-from linnet_jax.decode import choose_first, decode_program, empty_slots, extend, free, scrub, verify
+from linnet_jax.decode import choose_first, decode_program, empty_slots, extend, free, verify
 from linnet_jax.inputs import MIN_BUCKET, STOP_ID_SLOTS, make_requests, make_sampling, prefill_widths
 from linnet_jax.loaded import Model
 from linnet_jax.models.config import Config
 from linnet_jax.models.lora import FIELDS, LoraConfig, LoraTable, lora_shapes
+from linnet_jax.models.paged import StepLayout
+from linnet_jax.serve.engine import DEFAULT_PAGE_SIZE
+from linnet_jax.serve.runner import new_state, packed_step, scrub_pages
 from linnet_jax.train.step import init_state, make_train_step
 
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 DECODE_STEPS = 8  # steps per decode call: `serve.Engine`'s default steps_per_dispatch
 PREFILL_CHUNK = 256  # the widest chunk: `serve.Engine`'s default prefill_chunk
 DRAFTS = 4  # drafts per row a verify call checks: vLLM's usual num_speculative_tokens
+STEP_TOKENS = 2 * PREFILL_CHUNK  # the most tokens of a serving step: `serve.Engine`'s default max_step_tokens
 TRAIN_LEARNING_RATE = 1e-4
 
 
@@ -71,14 +77,37 @@ def lowered(model: Model, platform: str, *, batch: int = 1, max_len: int = 1024)
             params, config, slots, slot, DECODE_STEPS, plan=plan, lora=lora)
         programs[f"verify{suffix}"] = verify.trace(params, config, slots, drafts,
                                                    jax.ShapeDtypeStruct((batch,), jnp.int32), plan=plan, lora=lora)
+        for tokens in (MIN_BUCKET, STEP_TOKENS):
+            programs[f"step_{tokens}{suffix}"] = step_traced(model, batch, max_len, tokens, lora)
     programs["choose_first"] = choose_first.trace(slots, row, jax.ShapeDtypeStruct((1, config.vocab_size),
                                                                                  jnp.float32))
     programs["free"] = free.trace(slots, slot)
-    programs["scrub"] = scrub.trace(slots, slot)
+    pool = jax.eval_shape(lambda: new_state(model, batch, pages_for(batch, max_len), DEFAULT_PAGE_SIZE)).cache
+    programs["scrub_pages"] = scrub_pages.trace(pool, jax.ShapeDtypeStruct((pool.k[0].shape[0],), jnp.int32))
     entry = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), table)  # one entry's a, b, scale
     programs["put_lora"] = put_entry.trace(table, slot, entry.a, entry.b, entry.scale)
     programs["train_step"] = train_step_traced(model, batch, max_len)
     return {name: traced.lower(lowering_platforms=platforms).as_text() for name, traced in programs.items()}
+
+
+def pages_for(batch: int, max_len: int) -> int:
+    """A pool that holds `batch` requests of max_len positions, in pages of DEFAULT_PAGE_SIZE."""
+    return batch * -(-max_len // DEFAULT_PAGE_SIZE)
+
+
+def step_traced(model: Model, rows: int, max_len: int, tokens: int, lora: LoraTable | None) -> jax.stages.Traced:
+    """The serving engine's step (`serve.runner.packed_step`) of `tokens` packed tokens for `rows` sequences of up
+    to max_len positions, over a pool of pages that holds them all, each sequence choosing up to 1 + DRAFTS tokens."""
+    state = jax.eval_shape(lambda: new_state(model, rows, pages_for(rows, max_len), DEFAULT_PAGE_SIZE))
+    ints, flags = jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.bool_)
+    layout = StepLayout(kv_lens=ints, page_indices=jax.ShapeDtypeStruct((rows, -(-max_len // DEFAULT_PAGE_SIZE)),
+                                                                         jnp.int32),
+                        cu_q_lens=jax.ShapeDtypeStruct((rows + 1,), jnp.int32),
+                        num_seqs=jax.ShapeDtypeStruct((1,), jnp.int32))
+    requests = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), state.request)
+    return packed_step.trace(shapes(model.params), model.config, state, jax.ShapeDtypeStruct((tokens,), jnp.int32),
+                             layout, ints, flags, flags, flags, ints, requests, jax.ShapeDtypeStruct((), jnp.bool_),
+                             max_len=max_len, choices=1 + DRAFTS, lora=lora)
 
 
 def table_shapes(config: Config, entries: int, rank: int, dtype) -> LoraTable:

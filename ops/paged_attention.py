@@ -12,9 +12,10 @@ cu_q_lens[num_seqs] are padding; their outputs are zeros.
 
     ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> [T, H, D]
 
-The form for XLA:CPU: a loop over the table's M page columns, each iteration gathering every token's page of that
-column and folding it into an online softmax (as the kernels run), so memory is T × C × G × D per iteration and work
-T × M × C: a step's cost follows its longest sequence's pages (M, the caller's bucket), never the pool's size.
+The form for XLA:CPU: a loop over the page columns that the step's longest sequence fills (a bound computed on the
+device, at most the table's M), each iteration gathering every token's page of that column and folding it into an
+online softmax (as the kernels run), so memory is T × C × G × D per iteration and work T × (its pages) × C: a step's
+cost follows its sequences' lengths, never max_len's columns or the pool's size.
 
 Einsum legend: t tokens, g key/value heads, r query heads per key/value head, c positions of a page, d head size.
 """
@@ -71,6 +72,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
     start = (jnp.zeros(queries.shape, jnp.float32), jnp.full(queries.shape[:-1], -jnp.inf, jnp.float32),
              jnp.zeros(queries.shape[:-1], jnp.float32))
-    (out, _, mass), _ = jax.lax.scan(fold, start, jnp.arange(page_indices.shape[1]))
+    used = jnp.where(jnp.arange(kv_lens.shape[0]) < num_seqs[0], kv_lens, 0)
+    columns = jnp.minimum((used.max() + page - 1) // page, page_indices.shape[1])  # the longest sequence's pages
+    out, _, mass = jax.lax.fori_loop(0, columns, lambda column, carry: fold(carry, column)[0], start)
     out = out / jnp.where(mass > 0, mass, 1.0)[..., None]
     return out.reshape(tokens, heads, size).astype(q.dtype)

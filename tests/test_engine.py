@@ -35,7 +35,7 @@ def test_engine_equals_generate_and_compiles_nothing_once_warm(tiny_dir):
     model = linnet_jax.load(tiny_dir("llama_gqa_llama3")[1], progress=False)
     requests = mixed_requests(model.config.vocab_size, 16)
     expected = [alone(model, r) for r in requests]
-    with Engine(model, slots=4, max_len=64, steps_per_dispatch=3) as engine:
+    with Engine(model, slots=4, max_len=64) as engine:
         engine.warmup()
         assert engine.compiles_after_warmup == 0
         handles = [engine.submit(**r) for r in requests]
@@ -64,7 +64,7 @@ def test_choices_are_the_rows_of_one_seed(tiny_dir):
 
 def test_streams_sync_and_async_and_cancel(tiny_dir):
     model = linnet_jax.load(tiny_dir("llama_mha")[1], progress=False)
-    with Engine(model, slots=2, max_len=64, steps_per_dispatch=2) as engine:
+    with Engine(model, slots=2, max_len=64) as engine:
         handle = engine.submit(tokens=[3, 4, 5], max_tokens=40, ignore_eos=True, top_logprobs=2)
         pieces = list(handle)  # a piece holds what came since the last: on a loaded machine, several dispatches
         assert sum((p.tokens for p in pieces), []) == handle.result().tokens and len(pieces) > 1
@@ -101,8 +101,10 @@ def test_queue_limit_and_bad_requests(tiny_dir):
     with pytest.raises(ValueError, match="slots must be a positive int"):
         Engine(model, slots=0)
     for size in (0, -1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="prefix_cache_gb must be a finite number > 0"):
-            Engine(model, prefix_cache_gb=size)
+        with pytest.raises(ValueError, match="kv_cache_gb must be a finite number > 0"):
+            Engine(model, kv_cache_gb=size)
+    with pytest.raises(ValueError, match="fewer than one request of max_len=64 needs"):
+        Engine(model, max_len=64, kv_cache_gb=1e-6)
 
 
 def test_stop_strings_as_generate(smollm2):
@@ -128,7 +130,7 @@ rng = np.random.default_rng(0)
 prompts = [rng.integers(3, plain.config.vocab_size, int(rng.integers(2, 180))).tolist() for _ in range(10)]
 want = [linnet_jax.generate(plain, tokens=[p], max_new_tokens=8, ignore_eos=True)[0] for p in prompts]
 assert model.plan.key_block == 128  # later chunks of 16 read 128 or all 192 slots of the sharded cache
-with Engine(model, slots=8, max_len=192, steps_per_dispatch=4, prefill_chunk=16) as engine:
+with Engine(model, slots=8, max_len=192, prefill_chunk=16) as engine:
     got = [h.result(timeout=300).tokens for h in [engine.submit(tokens=p, max_tokens=8, ignore_eos=True) for p in prompts]]
 assert got == want, (got, want)
 """, tmp_path, eight_devices())

@@ -250,7 +250,7 @@ def test_lora_flags_and_speculation_are_checked_before_loading(monkeypatch, caps
 
 def test_an_engine_refuses_speculation_that_does_not_fit(tiny_chat):
     with pytest.raises(ValueError, match="above max_step_tokens=32"):
-        Engine(tiny_chat, slots=8, max_len=64, prefill_chunk=16, prefill_batch=2,
+        Engine(tiny_chat, slots=8, max_len=64, prefill_chunk=16, max_step_tokens=32,
                speculative={"num_speculative_tokens": 4})
 
 

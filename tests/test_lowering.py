@@ -16,9 +16,9 @@ from linnet_jax.ops import matvec
 
 MAX_LEN = 64
 TABLE_PROGRAMS = {"extend_16", "extend_16_continued", "extend_32", "extend_32_continued", "extend_64",
-                  "extend_64_continued", "decode", "verify"}  # each also with the adapter table, named *_lora
-PROGRAMS = TABLE_PROGRAMS | {f"{name}_lora" for name in TABLE_PROGRAMS} | {"choose_first", "free", "scrub", "put_lora",
-                                                                                  "train_step"}
+                  "extend_64_continued", "decode", "verify", "step_16", "step_512"}  # each also with the adapter
+PROGRAMS = TABLE_PROGRAMS | {f"{name}_lora" for name in TABLE_PROGRAMS} | {  # table, named *_lora
+    "choose_first", "free", "scrub_pages", "put_lora", "train_step"}
 
 
 def main_arguments(text: str) -> list[str]:

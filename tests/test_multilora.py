@@ -59,7 +59,7 @@ def expected(merged):
 
 @pytest.fixture(scope="module")
 def engine(tiny_chat, adapters):
-    with Engine(tiny_chat, slots=8, max_len=64, prefill_batch=2, prefill_chunk=32, prefix_block=PREFIX_BLOCK,
+    with Engine(tiny_chat, slots=8, max_len=64, prefill_chunk=32, page_size=PREFIX_BLOCK,
                 loras=dict(adapters), max_loras=3, max_lora_rank=16) as engine:
         engine.warmup()
         yield engine

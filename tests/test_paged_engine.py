@@ -28,7 +28,7 @@ class FakeRunner:
 
     def run(self, plan):
         self.plans.append(plan)
-        tokens = [100 + len(part.sequence.output) for part in plan.scheduled]
+        tokens = [(100 + len(part.sequence.output),) for part in plan.scheduled]
         states = [LENGTH if len(part.sequence.output) + 1 >= part.sequence.budget else RUNNING
                   for part in plan.scheduled]
         return StepResult(tuple(tokens), tuple(states))

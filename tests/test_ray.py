@@ -72,7 +72,7 @@ def test_a_signal_ends_serve_replicas_with_status_0_and_no_ray_process_left(tiny
     with Group(tmp_path) as group:
         server = group.start("serve", [
             sys.executable, "-m", "linnet_jax", "serve", "--replicas", "2", "--model", str(tiny_chat_dir), "--port",
-            str(port), "--slots", "1", "--max-len", "64", "--prefill-batch", "1", "--prefill-chunk", "16",
+            str(port), "--slots", "1", "--max-len", "64", "--prefill-chunk", "16",
             "--no-compilation-cache"], cpu_env() | {"RAY_USAGE_STATS_ENABLED": "0"})
         group.wait(lambda: "serving on" in group.stdout("serve"), STARTUP_S, "the replicas to serve")
         started = ray_processes(server.pid)
@@ -99,7 +99,7 @@ def ray_url():
 def served(ray_url, tiny_chat_dir):
     """Two replicas of 4 slots each, serving the tiny model as MODEL; yields the proxy's URL."""
     serve.run(app(tiny_chat_dir, replicas=2, slots=SLOTS, max_len=256, max_queue=MAX_QUEUE, model_name=MODEL,
-                  prefill_batch=2, prefill_chunk=64), name="linnet_jax", route_prefix="/")
+                  prefill_chunk=64), name="linnet_jax", route_prefix="/")
     return ray_url
 
 

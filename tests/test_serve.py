@@ -666,32 +666,32 @@ def test_api_key_is_needed_everywhere_but_health(tiny_engine):
 
 # --- the command ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flags", [["--slots", "0"], ["--port", "70000"], ["--max-len", "x"], ["--max-len", "8"],
+@pytest.mark.parametrize("flags", [["--slots", "0"], ["--port", "70000"], ["--max-len", "x"], ["--max-len", "1"],
                                    ["--shutdown-deadline", "-1"], ["--shutdown-deadline", "inf"],
                                    ["--speculative-config", "{"], ["--speculative-config", '{"method": "eagle"}'],
                                    ["--prefill-chunk", "0"], ["--api-key", ""], ["--host", "192.0.2.1"],
-                                   ["--max-request-bytes", "0"], ["--prefix-cache-gb", "0"],
-                                   ["--prefix-cache-gb", "nan"]])
+                                   ["--max-request-bytes", "0"], ["--kv-cache-gb", "0"],
+                                   ["--kv-cache-gb", "nan"], ["--page-size", "0"], ["--prefill-batch", "4"]])
 def test_serve_flags_are_refused_before_loading(monkeypatch, capsys, flags):
     assert flags[0] in refused_flags(monkeypatch, capsys, *flags)
 
 
 def test_serve_flags_become_the_engines_keywords():
-    """What serve's engine flags give `Engine`: the prefix cache off or sized, the speculative config as given."""
+    """What serve's engine flags give `Engine`: the pool's pages and size, chunks and steps, the prefix cache off,
+    the speculative config as given."""
     config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    flags = ["serve", "--prefill-batch", "2", "--prefill-chunk", "64", "--max-step-tokens", "96", "--prefix-cache-gb",
-             "0.5", "--speculative-config", json.dumps(config)]
+    flags = ["serve", "--page-size", "16", "--kv-cache-gb", "0.5", "--prefill-chunk", "64", "--max-step-tokens", "96",
+             "--speculative-config", json.dumps(config)]
+    keys = ("page_size", "kv_cache_gb", "prefill_chunk", "max_step_tokens", "prefix_cache", "speculative", "max_len")
     options = engine_options(parser().parse_args(flags))
-    assert {key: options[key] for key in ("prefill_batch", "prefill_chunk", "max_step_tokens", "prefix_cache",
-                                          "prefix_cache_gb", "speculative")} == {
-        "prefill_batch": 2, "prefill_chunk": 64, "max_step_tokens": 96, "prefix_cache": True, "prefix_cache_gb": 0.5,
-        "speculative": config}
+    assert {key: options[key] for key in keys} == {
+        "page_size": 16, "kv_cache_gb": 0.5, "prefill_chunk": 64, "max_step_tokens": 96, "prefix_cache": True,
+        "speculative": config, "max_len": None}
     assert engine_options(parser().parse_args(["serve", "--no-prefix-cache"]))["prefix_cache"] is False
     defaults = engine_options(parser().parse_args(["serve"]))
-    assert {key: defaults[key] for key in ("prefill_batch", "prefill_chunk", "max_step_tokens", "prefix_cache",
-                                           "prefix_cache_gb", "speculative")} == {
-        "prefill_batch": 4, "prefill_chunk": 256, "max_step_tokens": None, "prefix_cache": True,
-        "prefix_cache_gb": 1.0, "speculative": None}
+    assert {key: defaults[key] for key in keys} == {
+        "page_size": 64, "kv_cache_gb": None, "prefill_chunk": 256, "max_step_tokens": None, "prefix_cache": True,
+        "speculative": None, "max_len": None}
 
 
 def refused_flags(monkeypatch, capsys, *flags: str) -> str:
@@ -715,7 +715,7 @@ def test_default_max_len_is_the_model_context_when_shorter(tiny_chat_dir, tmp_pa
         engine.close()
 
     monkeypatch.setattr(linnet_jax.serve.app, "serve", serve_nothing)
-    assert main(["serve", "--model", str(short), "--slots", "1", "--prefill-batch", "1", "--prefill-chunk", "16",
+    assert main(["serve", "--model", str(short), "--slots", "1", "--prefill-chunk", "16",
                  "--port", "0", "--no-compilation-cache"]) == 0
     assert served == [128]
 
@@ -728,7 +728,7 @@ def start_server(model_dir, *flags: str) -> tuple[subprocess.Popen, str]:
     sock.close()
     server = subprocess.Popen(
         [sys.executable, "-m", "linnet_jax", "serve", "--model", str(model_dir), "--port", str(port), "--slots", "1",
-         "--max-len", "4096", "--prefill-batch", "1", "--prefill-chunk", "16", "--no-compilation-cache", *flags],
+         "--max-len", "4096", "--prefill-chunk", "16", "--no-compilation-cache", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     if not wait_for(lambda: server.poll() is not None or reachable(url), 180) or server.poll() is not None:

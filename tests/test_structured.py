@@ -122,7 +122,7 @@ def check_output(text: str, spec: dict | None) -> None:
 
 def test_engine_constrained_and_free_requests_equal_generate_and_compile_nothing(tiny_chat):
     requests = mixed_requests(tiny_chat.config.vocab_size)
-    with Engine(tiny_chat, slots=8, max_len=256, steps_per_dispatch=4, prefill_batch=2, prefill_chunk=32) as engine:
+    with Engine(tiny_chat, slots=8, max_len=256, prefill_chunk=32) as engine:
         engine.warmup()
         results = [handle.result(timeout=600) for handle in [engine.submit(**r) for r in requests]]
         assert engine.compiles_after_warmup == 0

@@ -99,6 +99,14 @@ class PagePool:
             if page_key not in self.page_of and page not in self.key_of:
                 self.page_of[page_key], self.key_of[page] = page, page_key
 
+    def forget(self, pages: list[int]) -> None:
+        """Uncache these unheld pages (their keys and values are not to be shared): free again."""
+        for page in pages:
+            if page in self.cached:
+                del self.cached[page]
+                del self.page_of[self.key_of.pop(page)]
+                self.free.append(page)
+
     def release(self, pages: list[int]) -> None:
         """One holder less for each page: at none, a cached page becomes evictable (most recently released last),
         another one free. A ValueError for a page that no request holds."""

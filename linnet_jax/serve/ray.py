@@ -116,7 +116,7 @@ def app(model=None, *, replicas: int | str = 2, slots: int = 16, max_len: int | 
     target_ongoing_requests defaults to half the slots). max_queue: requests Ray's proxy holds while every
     replica is full (beyond them: 429 with Retry-After). api_key, max_request_bytes, model_name (default: `model` as
     given, or the default's name): as `create_app` takes them; dtype, quantize: as `linnet_jax.load` takes them. cpus: Ray CPUs each replica reserves, and
-    binds ceil(cpus) cores to (`pin_to_cores`). engine_options: further `Engine` keywords (prefill_batch, prefix_cache, ...).
+    binds ceil(cpus) cores to (`pin_to_cores`). engine_options: further `Engine` keywords (page_size, prefix_cache, ...).
     Run it with `serve.run(app(...))`, or `linnet-jax serve --replicas N`.
     """
     from linnet_jax.load import DEFAULT_MODEL

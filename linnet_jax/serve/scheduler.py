@@ -8,14 +8,17 @@ request the step's tokens.
         plan = scheduler.schedule()       # a StepPlan: plain data
         scheduler.update(plan, runner.run(plan))
 
-A step carries every decoding sequence's next token and then the next chunks of prefilling prompts, oldest first,
-up to max_step_tokens tokens (each chunk at most prefill_chunk). A waiting request is admitted, oldest first, when
+A step carries every decoding sequence's next token (and, with `speculative`, its n-gram drafts,
+`linnet_jax.speculative`; none for a sequence with a grammar) and then the next chunks of prefilling prompts, oldest
+first, up to max_step_tokens tokens (each chunk at most prefill_chunk). A waiting request is admitted, oldest first, when
 a row is free and the pool can give every page it may need (its prompt and its budget, beyond the leading pages
 it shares with cached prompts): it then never runs out, so nothing is preempted, and the pages are taken one at a
 time as its tokens arrive, so a cached page stays cached until a page is really needed. A request that does not
 fit waits; one that could never fit (more pages than the pool holds) is refused when added. A prompt whose
 prefill completes publishes its full pages (`PagePool.publish`) for later prompts; a finished request releases
-its pages.
+its pages. A prompt that finds no cached page but starts with the page another admitted prompt is computing waits
+(the requests behind it go on) until that page is published, then shares it: a burst of prompts with one system
+prompt computes it once.
 """
 
 import dataclasses
@@ -23,6 +26,7 @@ import itertools
 from collections import deque
 
 from linnet_jax.serve.pages import PagePool
+from linnet_jax.speculative import Ngram, propose
 
 RUNNING, STOP_ID, LENGTH = 0, 1, 2  # a row's state after a step (`linnet_jax.decode`'s)
 
@@ -36,6 +40,9 @@ class Sequence:
     budget: int  # the most tokens it may generate
     request: object = None  # the runner's description of how it samples (`linnet_jax.decode.Request`, one row)
     key: bytes = b""  # its prefix-cache key (the adapter load's)
+    shares: bool = True  # it may start from cached pages (else it computes its whole prompt)
+    constrained: bool = False  # a grammar chooses its tokens one at a time: no drafts
+    top: int = 0  # the alternatives it reports beside each token
     row: int | None = None  # its row of the runner's per-request state while admitted
     row_new: bool = False  # admitted, its row not yet given its request
     pages: list[int] = dataclasses.field(default_factory=list)
@@ -49,6 +56,10 @@ class Sequence:
     def prefilling(self) -> bool:
         return self.computed < len(self.prompt)
 
+    @property
+    def history(self) -> list[int]:
+        return self.prompt + self.output
+
     def positions_needed(self, max_len: int) -> int:
         """The positions it may ever hold: its prompt and its budget, within max_len."""
         return min(len(self.prompt) + self.budget, max_len)
@@ -56,9 +67,10 @@ class Sequence:
 
 @dataclasses.dataclass(frozen=True)
 class Scheduled:
-    """One sequence's part of a step: the tokens it feeds at positions start .., whether its row begins (`new`: the
-    runner sets its request there) and whether the step chooses its next token (a decode, or its prompt's last
-    chunk); its pages (its page table's row)."""
+    """One sequence's part of a step: the tokens it feeds at positions start .. (prompt tokens, or a decode's last
+    token and `drafts` drafts after it), whether its row begins (`new`: the runner sets its request there) and
+    whether the step chooses its next tokens (a decode, or its prompt's last chunk); its pages (its page table's
+    row)."""
 
     sequence: Sequence
     tokens: tuple[int, ...]
@@ -66,6 +78,11 @@ class Scheduled:
     new: bool
     choosing: bool
     pages: tuple[int, ...]
+    drafts: int = 0
+
+    @property
+    def prompt(self) -> bool:
+        return self.start < len(self.sequence.prompt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,21 +98,25 @@ class StepPlan:
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    """What a runner read back: per scheduled sequence, its chosen token, its row's state (RUNNING, STOP_ID or
-    LENGTH) and that token's logprob; entries of sequences that chose nothing are ignored."""
+    """What a runner read back: per scheduled sequence, the tokens it chose (a stop id last when it stopped on one;
+    a decode's accepted drafts and one more), its row's state after them (RUNNING, STOP_ID or LENGTH) and their
+    logprobs; entries of sequences that chose nothing are ignored."""
 
-    tokens: tuple[int, ...]
+    tokens: tuple[tuple[int, ...], ...]
     states: tuple[int, ...]
-    logprobs: tuple[float, ...] = ()
+    logprobs: tuple[tuple[float, ...], ...] = ()
 
 
 class Scheduler:
     """Admission, pages, chunking and finishing over a PagePool (see the module docstring)."""
 
-    def __init__(self, pool: PagePool, rows: int, max_len: int, max_step_tokens: int, prefill_chunk: int):
-        if max_step_tokens < rows:
-            raise ValueError(f"max_step_tokens ({max_step_tokens}) must carry a token of each of the {rows} rows")
-        self.pool, self.max_len = pool, max_len
+    def __init__(self, pool: PagePool, rows: int, max_len: int, max_step_tokens: int, prefill_chunk: int,
+                 speculative: Ngram | None = None):
+        width = 1 + (speculative.num_speculative_tokens if speculative else 0)
+        if max_step_tokens < rows * width:
+            raise ValueError(f"max_step_tokens ({max_step_tokens}) must carry a token of each of the {rows} rows"
+                             + (f" and its {width - 1} drafts" if width > 1 else ""))
+        self.pool, self.max_len, self.speculative = pool, max_len, speculative
         self.max_step_tokens, self.prefill_chunk = max_step_tokens, prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, oldest first
@@ -121,8 +142,9 @@ class Scheduler:
         self.admit()
         budget, scheduled = self.max_step_tokens, []
         for sequence in [s for s in self.running if not s.prefilling]:
-            scheduled.append(self.part(sequence, (sequence.output[-1],), new=False))
-            budget -= 1
+            drafts = tuple(self.drafts(sequence))
+            scheduled.append(self.part(sequence, (sequence.output[-1], *drafts), new=False, drafts=len(drafts)))
+            budget -= 1 + len(drafts)
         for sequence in [s for s in self.running if s.prefilling]:
             if budget <= 0:
                 break
@@ -132,22 +154,46 @@ class Scheduler:
             budget -= count
         return StepPlan(tuple(scheduled))
 
+    def drafts(self, sequence: Sequence) -> list[int]:
+        """A decoding sequence's n-gram drafts: none without speculation or with a grammar, and none past its
+        promised positions (its budget and max_len)."""
+        if self.speculative is None or sequence.constrained:
+            return []
+        room = sequence.positions_needed(self.max_len) - len(sequence.history)
+        return propose(sequence.history, self.speculative, room)
+
     def admit(self) -> None:
-        """Admit waiting requests, oldest first, while a row is free and the pool can promise their pages."""
+        """Admit waiting requests, oldest first, while a row is free and the pool can promise their pages; a prompt
+        whose leading page another admitted prompt is computing waits for it (module docstring)."""
+        deferred = []
         while self.waiting and self.free_rows:
-            sequence = self.waiting[0]
-            shared = self.pool.lookup(sequence.prompt, sequence.key)
+            sequence = self.waiting.popleft()
+            if self.computing_lead(sequence):
+                deferred.append(sequence)
+                continue
+            shared = self.pool.lookup(sequence.prompt, sequence.key) if sequence.shares else []
             needed = self.pool.pages_for(sequence.positions_needed(self.max_len)) - len(shared)
             if needed > self.pool.available - self.promised:
                 self.pool.release(shared)
-                return
-            self.waiting.popleft()
+                self.waiting.appendleft(sequence)
+                break
             sequence.pages, sequence.computed = shared, len(shared) * self.pool.page_size
             sequence.row, sequence.row_new = self.free_rows.pop(0), True
             self.promised += needed
             self.running.append(sequence)
+        self.waiting.extendleft(reversed(deferred))
 
-    def part(self, sequence: Sequence, tokens: tuple[int, ...], new: bool) -> Scheduled:
+    def computing_lead(self, sequence: Sequence) -> bool:
+        """Whether the sequence's first page is not cached and an admitted prompt that has not published its pages
+        yet starts with it."""
+        size = self.pool.page_size
+        if not sequence.shares or len(sequence.prompt) <= size or self.pool.page_keys(
+                sequence.prompt[:size], sequence.key)[0] in self.pool.page_of:
+            return False
+        return any(other.prefilling and other.shares and other.key == sequence.key
+                   and other.prompt[:size] == sequence.prompt[:size] for other in self.running)
+
+    def part(self, sequence: Sequence, tokens: tuple[int, ...], new: bool, drafts: int = 0) -> Scheduled:
         """The sequence's part of the step, with the pages its new positions need taken from its promise."""
         needed = self.pool.pages_for(sequence.computed + len(tokens)) - len(sequence.pages)
         if needed > 0:
@@ -155,27 +201,35 @@ class Scheduler:
             self.promised -= needed
         sequence.row_new = False
         choosing = sequence.computed + len(tokens) >= len(sequence.prompt)
-        return Scheduled(sequence, tokens, sequence.computed, new, choosing, tuple(sequence.pages))
+        return Scheduled(sequence, tokens, sequence.computed, new, choosing, tuple(sequence.pages), drafts)
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
-        """The step's effects: positions computed, a prompt's pages published when its prefill completes, chosen
-        tokens given (a stop id is not output), finished sequences' pages and rows freed. Returns those finished."""
+        """The step's effects: positions computed (a decode's: its last token and its accepted drafts), a prompt's
+        pages published when its prefill completes, chosen tokens given (a stop id is not output), finished
+        sequences' pages and rows freed. Returns those finished."""
         finished = []
-        for i, (part, token, state) in enumerate(zip(plan.scheduled, result.tokens, result.states)):
+        for i, (part, tokens, state) in enumerate(zip(plan.scheduled, result.tokens, result.states)):
             sequence = part.sequence
-            was_prefilling = sequence.prefilling
-            sequence.computed += len(part.tokens)
-            if was_prefilling and not sequence.prefilling:
+            sequence.computed += len(part.tokens) if part.prompt else len(tokens)
+            if part.prompt and not sequence.prefilling:
                 self.pool.publish(sequence.prompt, sequence.key, sequence.pages)
             if not part.choosing:
                 continue
-            if state != STOP_ID:
-                sequence.output.append(token)
-                sequence.logprobs += result.logprobs[i:i + 1]
+            kept = len(tokens) - (state == STOP_ID)
+            sequence.output += tokens[:kept]
+            sequence.logprobs += result.logprobs[i][:kept] if result.logprobs else []
             if state != RUNNING:
                 sequence.finish = "stop" if state == STOP_ID else "length"
                 finished.append(self.finish(sequence))
         return finished
+
+    def remove(self, sequence: Sequence) -> None:
+        """Drop a sequence before its end (cancelled, or a stop string ended it): out of the queue, or its pages,
+        promise and row released."""
+        if sequence in self.running:
+            self.finish(sequence)
+        elif sequence in self.waiting:
+            self.waiting.remove(sequence)
 
     def finish(self, sequence: Sequence) -> Sequence:
         """Release a finished sequence's pages, the rest of its promise and its row."""
