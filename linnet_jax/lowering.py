@@ -78,7 +78,7 @@ def lowered(model: Model, platform: str, *, batch: int = 1, max_len: int = 1024)
         programs[f"verify{suffix}"] = verify.trace(params, config, slots, drafts,
                                                    jax.ShapeDtypeStruct((batch,), jnp.int32), plan=plan, lora=lora)
         for tokens in (MIN_BUCKET, STEP_TOKENS):
-            programs[f"step_{tokens}{suffix}"] = step_traced(model, batch, max_len, tokens, lora)
+            programs[f"step_{tokens}{suffix}"] = step_traced(model, params, plan, batch, max_len, tokens, lora)
     programs["choose_first"] = choose_first.trace(slots, row, jax.ShapeDtypeStruct((1, config.vocab_size),
                                                                                  jnp.float32))
     programs["free"] = free.trace(slots, slot)
@@ -95,9 +95,11 @@ def pages_for(batch: int, max_len: int) -> int:
     return batch * -(-max_len // DEFAULT_PAGE_SIZE)
 
 
-def step_traced(model: Model, rows: int, max_len: int, tokens: int, lora: LoraTable | None) -> jax.stages.Traced:
+def step_traced(model: Model, params, plan, rows: int, max_len: int, tokens: int,
+                lora: LoraTable | None) -> jax.stages.Traced:
     """The serving engine's step (`serve.runner.packed_step`) of `tokens` packed tokens for `rows` sequences of up
-    to max_len positions, over a pool of pages that holds them all, each sequence choosing up to 1 + DRAFTS tokens."""
+    to max_len positions, over a pool of pages that holds them all, each sequence choosing up to 1 + DRAFTS tokens;
+    params: the plan's (shapes)."""
     state = jax.eval_shape(lambda: new_state(model, rows, pages_for(rows, max_len), DEFAULT_PAGE_SIZE))
     ints, flags = jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.bool_)
     layout = StepLayout(kv_lens=ints, page_indices=jax.ShapeDtypeStruct((rows, -(-max_len // DEFAULT_PAGE_SIZE)),
@@ -105,9 +107,9 @@ def step_traced(model: Model, rows: int, max_len: int, tokens: int, lora: LoraTa
                         cu_q_lens=jax.ShapeDtypeStruct((rows + 1,), jnp.int32),
                         num_seqs=jax.ShapeDtypeStruct((1,), jnp.int32))
     requests = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), state.request)
-    return packed_step.trace(shapes(model.params), model.config, state, jax.ShapeDtypeStruct((tokens,), jnp.int32),
+    return packed_step.trace(params, model.config, state, jax.ShapeDtypeStruct((tokens,), jnp.int32),
                              layout, ints, flags, flags, flags, ints, requests, jax.ShapeDtypeStruct((), jnp.bool_),
-                             max_len=max_len, choices=1 + DRAFTS, lora=lora)
+                             max_len=max_len, choices=1 + DRAFTS, plan=plan, lora=lora)
 
 
 def table_shapes(config: Config, entries: int, rank: int, dtype) -> LoraTable:

@@ -65,11 +65,14 @@ def write_places(layout: StepLayout, positions: jax.Array, real: jax.Array, sequ
 
 
 def paged_forward(params: Params, config: Config, tokens: jax.Array, cache: PagedCache, layout: StepLayout,
-                  logits_at: jax.Array, lora: LoraTable | None = None) -> tuple[jax.Array, PagedCache]:
+                  logits_at: jax.Array, lora: LoraTable | None = None,
+                  einsum=quantized.einsum) -> tuple[jax.Array, PagedCache]:
     """Logits [O, V] (float32) at the packed tokens `logits_at` [O], and the cache with every real token's key and
     value written. tokens: [T] int32, sequence s's at cu_q_lens[s]:cu_q_lens[s + 1] (padding after the last).
     lora: the adapter table with each token's entry (`LoraTable.rows`, index [T]), or None. The blocks run over
-    the tokens as T rows of one position each ([T, 1, D]), so that each token takes its own adapter entry."""
+    the tokens as T rows of one position each ([T, 1, D]), so that each token takes its own adapter entry. params:
+    stacked or per-layer (`layer_params`); einsum: how the products run (a plan's, `linnet_jax.backend.Plan.einsum`:
+    on XLA:CPU linnet's kernels take a step of up to their rows)."""
     sequence, positions, real = token_places(layout.cu_q_lens, layout.kv_lens, layout.num_seqs, tokens.shape[0])
     pages, page_size = cache.k[0].shape[0], cache.page_size
     page, offset = write_places(layout, positions, real, sequence, pages, page_size)
@@ -84,8 +87,8 @@ def paged_forward(params: Params, config: Config, tokens: jax.Array, cache: Page
                                           window=config.layer_windows[layer])[:, None]
 
         x = residual_block(x, layer_params(params, layer), config, jnp.where(real, positions, -1)[:, None], attend,
-                           None if lora is None else lora.layer(layer), quantized.einsum)
+                           None if lora is None else lora.layer(layer), einsum)
     x = rms_norm(x[logits_at, 0], params.final_norm, config.rms_norm_eps)
     head = params.embed if params.lm_head is None else params.lm_head
-    logits = quantized.einsum("od,vd->ov", x, head, preferred_element_type=jnp.float32)
+    logits = einsum("od,vd->ov", x, head, preferred_element_type=jnp.float32)
     return logits, PagedCache(k=tuple(keys), v=tuple(values))

@@ -508,18 +508,18 @@ def test_max_request_bytes_is_the_body_limit(tiny_engine):
 
 # --- a failing engine ----------------------------------------------------------------------------------------
 
-def failing_decode(gate: threading.Event):
-    """A stand-in for Engine._decode that runs out of memory once `gate` is set."""
-    def decode(top: bool, steps: int, rows: int):
+def failing_step(gate: threading.Event):
+    """A stand-in for Engine._step (one dispatch) that runs out of memory once `gate` is set."""
+    def step(inputs: dict):
         gate.wait(60)
         raise MemoryError("RESOURCE_EXHAUSTED: out of memory (simulated)")
-    return decode
+    return step
 
 
 def test_a_failing_engine_fails_its_requests_with_a_5xx_and_health_turns_503(tiny_chat):
     gate = threading.Event()
     with Engine(tiny_chat, slots=2, max_len=64) as engine, serving(engine) as url:
-        engine._decode = failing_decode(gate)
+        engine._step = failing_step(gate)
         body = dict(prompt="the sea", max_tokens=20, ignore_eos=True)
         whole, streamed = [], []
 
@@ -549,7 +549,7 @@ def test_serve_returns_with_engine_failed_when_the_engine_fails(tiny_chat):
     gate, raised = threading.Event(), []
     gate.set()
     engine = Engine(tiny_chat, slots=1, max_len=64)
-    engine._decode = failing_decode(gate)
+    engine._step = failing_step(gate)
     sock = free_socket()
     port = sock.getsockname()[1]
     sock.close()
@@ -615,6 +615,8 @@ def test_metrics_report_the_engine(tiny_server):
                  "linnet_jax_time_per_output_token_seconds_count"):
         assert name in text
     assert metric(tiny_server, "linnet_jax_time_to_first_token_seconds_count") > 0
+    assert metric(tiny_server, "linnet_jax_kv_cache_pages") == 8 * 4  # 8 slots of 256 positions, pages of 64
+    assert 0 <= metric(tiny_server, "linnet_jax_kv_cache_pages_held") <= 32
 
 
 def test_metrics_count_prefix_cache_hits(tiny_chat, tiny_server):

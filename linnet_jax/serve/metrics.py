@@ -21,8 +21,12 @@ class EngineCollector:
         stats = self.engine.stats()
         for name, key, text in (("requests_running", "running", "requests holding a slot"),
                                 ("requests_queued", "queued", "requests waiting for a slot"),
-                                ("busy_slots", "busy_slots", "cache slots in use"),
-                                ("slots", "slots", "cache slots")):
+                                ("busy_slots", "busy_slots", "requests in flight"),
+                                ("slots", "slots", "the most requests in flight"),
+                                ("kv_cache_pages", "kv_cache_pages", "pages of the KV cache's pool"),
+                                ("kv_cache_pages_held", "kv_cache_pages_held", "pages that requests hold"),
+                                ("kv_cache_pages_cached", "kv_cache_pages_cached",
+                                 "pages no request holds, kept for prompts that start the same way")):
             yield GaugeMetricFamily(f"linnet_jax_{name}", text, value=stats[key])
         yield CounterMetricFamily("linnet_jax_generated_tokens", "tokens generated", value=stats["tokens_generated"])
         yield CounterMetricFamily("linnet_jax_requests_finished", "requests finished (cancelled ones included)",

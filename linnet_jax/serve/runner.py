@@ -29,6 +29,7 @@ from linnet_jax.models.config import Config
 from linnet_jax.models.lora import LoraTable
 from linnet_jax.models.paged import PagedCache, StepLayout, init_pages, paged_forward
 from linnet_jax.models.params import Params
+from linnet_jax.ops import quantized
 from linnet_jax.ops.paged_attention import token_places
 from linnet_jax.serve.scheduler import StepPlan, StepResult
 from linnet_jax.sharding import hosts
@@ -67,10 +68,10 @@ def top_of(logits: jax.Array, want: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jax.lax.cond(want, top, none)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_len", "choices"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "max_len", "choices", "plan"), donate_argnames=("state",))
 def packed_step(params: Params, config: Config, state: Slots, tokens: jax.Array, layout: StepLayout,
                 rows: jax.Array, new: jax.Array, choosing: jax.Array, prompt: jax.Array, drafts: jax.Array,
-                requests: Request, top: jax.Array, max_len: int, choices: int,
+                requests: Request, top: jax.Array, max_len: int, choices: int, plan=None,
                 lora: LoraTable | None = None) -> tuple[Slots, Chosen]:
     """One step: the packed tokens [T] through `paged_forward` (their keys and values into their pages, each token
     with its request's adapter entry), then each choosing sequence's tokens from its logits (module docstring).
@@ -78,7 +79,8 @@ def packed_step(params: Params, config: Config, state: Slots, tokens: jax.Array,
     rows [S]: each sequence's state row (≥ the rows: padding); new [S]: its row begins (takes requests' row, its
     counts reset); choosing [S]: a decode or a prompt's last chunk; prompt [S]: it feeds prompt tokens (they join
     its `seen`); drafts [S]: how many of its tokens after the first are drafts (a decode's; K = choices - 1 at
-    most); top: a scalar bool, report the alternatives. Returns the state and what each sequence chose."""
+    most); top: a scalar bool, report the alternatives; plan: the hardware plan the params were made for
+    (`Model.plan`, its einsum; params: `Model.decode_params`). Returns the state and what each sequence chose."""
     TRACES["packed_step"] += 1
     part = rows_of(state, rows)
     zeroed = part.replace(seen=jnp.zeros_like(part.seen), generated=jnp.zeros_like(part.generated),
@@ -89,7 +91,8 @@ def packed_step(params: Params, config: Config, state: Slots, tokens: jax.Array,
     columns = jnp.arange(choices)
     places = jnp.minimum(ends[:, None] - drafts[:, None] + columns, ends[:, None])  # [S, K + 1]
     adapters = None if lora is None else lora.rows(part.request.adapter[sequence])
-    logits, cache = paged_forward(params, config, tokens, state.cache, layout, places.reshape(-1), adapters)
+    logits, cache = paged_forward(params, config, tokens, state.cache, layout, places.reshape(-1), adapters,
+                                  quantized.einsum if plan is None else plan.einsum)
     logits = logits.reshape(*places.shape, -1)  # [S, K + 1, V]
     following = tokens[jnp.minimum(places + 1, tokens.shape[0] - 1)]  # [S, K + 1] the draft after each choice
     part = part.replace(seen=part.seen.at[sequence, tokens].max(real & prompt[sequence]),
@@ -174,10 +177,10 @@ class PagedRunner:
                             cu_q_lens=inputs["cu_q_lens"], num_seqs=inputs["num_seqs"])
         used = inputs["kv_lens"][:int(inputs["num_seqs"][0])]
         self.shapes.append((inputs["tokens"].shape[0], -(-int(used.max(initial=0)) // self.page_size)))
-        self.state, chosen = packed_step(self.model.params, self.model.config, self.state, inputs["tokens"], layout,
+        self.state, chosen = packed_step(self.model.decode_params, self.model.config, self.state, inputs["tokens"], layout,
                                          inputs["rows"], inputs["new"], inputs["choosing"], inputs["prompt"],
                                          inputs["drafts"], inputs["requests"], inputs["top"], max_len=self.max_len,
-                                         choices=self.choices, lora=lora)
+                                         choices=self.choices, plan=self.model.plan, lora=lora)
         leaves, tree = jax.tree.flatten(chosen)
         return jax.tree.unflatten(tree, hosts(*leaves))
 
