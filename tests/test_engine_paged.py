@@ -7,12 +7,13 @@ generate(speculative=...) gives the tokens of generate without it."""
 import dataclasses
 import importlib
 
+import jax
 import numpy as np
 import pytest
 from test_engine import alone
 
 import linnet_jax
-from linnet_jax import generate
+from linnet_jax import generate, train
 from linnet_jax.inputs import RequestError
 from linnet_jax.serve import Engine
 from linnet_jax.speculative import Ngram, propose
@@ -22,13 +23,23 @@ FEATURES = {
     "chunked prefill": dict(prefill_chunk=16, max_step_tokens=48, prefix_cache=False),
     "prefix cache": dict(page_size=16),
     "speculative": dict(speculative=NGRAM, prefix_cache=False),
-    "all of them": dict(prefill_chunk=16, page_size=16, speculative=NGRAM),
+    "all of them, on adapters too": dict(prefill_chunk=16, page_size=16, speculative=NGRAM, loras={}),
 }
 
 
 @pytest.fixture(scope="module")
 def model(tiny_dir):
     return linnet_jax.load(tiny_dir("llama_gqa_llama3")[1], progress=False)
+
+
+def random_adapters(model) -> dict:
+    """Two random rank-4 adapters (B not zero, so each changes the model's tokens), by name."""
+    adapters = {}
+    for seed in (1, 2):
+        lora = train.init_lora(model.config, train.LoraConfig(rank=4, alpha=8.0), jax.random.key(seed))
+        adapters[f"adapter{seed}"] = dataclasses.replace(
+            lora, b={name: 0.05 * jax.random.normal(jax.random.key(seed + 9), b.shape) for name, b in lora.b.items()})
+    return adapters
 
 
 def shared_prefix_requests(vocab: int, count: int) -> list[dict]:
@@ -74,10 +85,18 @@ def pool_gb(model, pages: int, page_size: int) -> float:
 
 @pytest.mark.parametrize("feature", FEATURES)
 def test_each_feature_equals_generate_request_for_request(model, feature):
-    """32 mixed requests through 8 slots, all submitted at once."""
-    requests = shared_prefix_requests(model.config.vocab_size, 32)
-    results, engine = served(model, requests, **FEATURES[feature])
-    assert_same(results, [alone(model, r) for r in requests])
+    """32 mixed requests through 8 slots, all submitted at once (with adapters: a third on each of two adapters,
+    against generate with that adapter)."""
+    requests, options = shared_prefix_requests(model.config.vocab_size, 32), dict(FEATURES[feature])
+    expected = [alone(model, r) for r in requests]
+    if "loras" in options:
+        options["loras"] = adapters = random_adapters(model)
+        for i, request in enumerate(requests):
+            if i % 3:
+                request["lora"] = f"adapter{i % 3}"
+                expected[i] = alone(model, {**request, "lora": adapters[request["lora"]]})
+    results, engine = served(model, requests, **options)
+    assert_same(results, expected)
     steps = list(engine.step_log)
     assert max(step.tokens for step in steps) <= engine.max_step_tokens
     assert max(step.decoding + step.prefilling for step in steps) <= 8

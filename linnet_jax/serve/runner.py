@@ -16,6 +16,7 @@ the same arguments, greedy or seeded, however many drafts were verified. Samplin
 """
 
 import functools
+from collections import deque
 
 import flax.struct
 import jax
@@ -145,7 +146,8 @@ class PagedRunner:
         self.token_buckets = buckets(max_step_tokens)
         self.columns = -(-max_len // page_size)  # M: a max_len request's pages
         self.filler = sampling_options(model, 1).requests(1)  # the request row of sequences that begin nothing
-        self.shapes: list[tuple[int, int]] = []  # each step's (token bucket T, page columns its attention read)
+        self.shapes: deque[tuple[int, int]] = deque(maxlen=65536)  # the latest steps' (token bucket T, page columns
+        # their attention read)
 
     def inputs(self, plan: StepPlan) -> dict:
         """The plan as the step program's host inputs (numpy arrays and a stacked Request)."""
