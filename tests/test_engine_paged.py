@@ -160,8 +160,9 @@ def test_a_burst_sharing_a_prefix_computes_it_once(model):
 
 
 def test_a_long_prompt_rides_in_the_decoding_requests_steps(model):
-    """7 requests decode while a prompt of 120 ids arrives: it is prefilled in chunks of 16, each in one step with
-    every decoding request's next token (none of them waits a step), as the engine's step log shows."""
+    """7 requests decode while a prompt of 120 ids arrives: it is prefilled in chunks of at most 16, each in one step
+    with every decoding request's next token (none of them waits a step), each chunk cut to fill the step's program
+    (16 tokens: 7 decodes and 9 of the prompt) rather than padding it to 32, as the engine's step log shows."""
     with Engine(model, slots=8, max_len=160, prefill_chunk=16, max_step_tokens=32, prefix_cache=False) as engine:
         engine.warmup()
         running = [engine.submit(tokens=[5 + i, 6, 7], max_tokens=150, ignore_eos=True) for i in range(7)]
@@ -171,8 +172,8 @@ def test_a_long_prompt_rides_in_the_decoding_requests_steps(model):
         long = engine.submit(tokens=list(np.random.default_rng(1).integers(3, 256, 120)), max_tokens=4, ignore_eos=True)
         long.result(timeout=300)
         steps = [step for step in list(engine.step_log)[start:] if step.prefilling]
-        assert [step.tokens - step.decoding for step in steps] == [16] * 7 + [8]
-        assert all(step.decoding == 7 for step in steps)
+        assert [step.tokens - step.decoding for step in steps] == [9] * 13 + [3]
+        assert all(step.decoding == 7 for step in steps) and all(step.program_tokens == 16 for step in steps)
         assert [h.result(timeout=300).tokens for h in running] == [
             generate(model, tokens=[[5 + i, 6, 7]], max_new_tokens=150, ignore_eos=True)[0] for i in range(7)]
 

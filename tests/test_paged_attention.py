@@ -8,6 +8,7 @@ import pytest
 from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import ref_ragged_paged_attention as tpu_reference
 
+from linnet_jax.ops import paged_attention as cpu_form
 from linnet_jax.ops.paged_attention import ragged_paged_attention
 
 
@@ -52,7 +53,9 @@ def dense_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_s
 MIXED = dict(kv_lens=[5, 37, 1, 20, 64], q_lens=[1, 16, 1, 7, 1])  # decodes and prefill chunks, ragged
 
 
-def test_the_cpu_form_equals_dense_attention_on_a_ragged_step():
+@pytest.mark.parametrize("blocked_from", [0, 128])  # in blocks of 16 queries of one sequence, or a token at a time
+def test_the_cpu_form_equals_dense_attention_on_a_ragged_step(blocked_from, monkeypatch):
+    monkeypatch.setattr(cpu_form, "BLOCKED_FROM", blocked_from)
     step = ragged_step(**MIXED, tokens=32)
     out = np.asarray(ragged_paged_attention(**step))
     want = dense_reference(**step)

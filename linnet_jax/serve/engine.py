@@ -194,10 +194,10 @@ class Engine:
         adapters = {name: (source, self.adapters.read(source)) for name, source in (loras or {}).items()}
         pages = kv_pages(model, int(slots), self.max_len, self.page_size, kv_cache_gb)
         self.pool = PagePool(pages, self.page_size)
-        self.scheduler = Scheduler(self.pool, int(slots), self.max_len, self.max_step_tokens, self.prefill_chunk,
-                                   self.speculative)
         self.runner = PagedRunner(model, int(slots), pages, self.page_size, self.max_len, self.max_step_tokens,
                                   width - 1)
+        self.scheduler = Scheduler(self.pool, int(slots), self.max_len, self.max_step_tokens, self.prefill_chunk,
+                                   self.speculative, self.runner.token_buckets)
         self._masked = False  # whether the rows' masks hold a grammar's (else every token is allowed)
         self.works: dict[Sequence, Work] = {}  # every request submitted and not finished
         self.queue: deque[Work] = deque()  # arrived, not yet given to the scheduler

@@ -10,7 +10,8 @@ request the step's tokens.
 
 A step carries every decoding sequence's next token (and, with `speculative`, its n-gram drafts,
 `linnet_jax.speculative`; none for a sequence with a grammar) and then the next chunks of prefilling prompts, oldest
-first, up to max_step_tokens tokens (each chunk at most prefill_chunk). A waiting request is admitted, oldest first, when
+first, up to max_step_tokens tokens (each chunk at most prefill_chunk), cut so that the step fills one of
+`step_sizes` (the runner's programs) rather than padding up to the next. A waiting request is admitted, oldest first, when
 a row is free and the pool can give every page it may need (its prompt and its budget, beyond the leading pages
 it shares with cached prompts): it then never runs out, so nothing is preempted, and the pages are taken one at a
 time as its tokens arrive, so a cached page stays cached until a page is really needed. A request that does not
@@ -111,12 +112,13 @@ class Scheduler:
     """Admission, pages, chunking and finishing over a PagePool (see the module docstring)."""
 
     def __init__(self, pool: PagePool, rows: int, max_len: int, max_step_tokens: int, prefill_chunk: int,
-                 speculative: Ngram | None = None):
+                 speculative: Ngram | None = None, step_sizes: list[int] | None = None):
         width = 1 + (speculative.num_speculative_tokens if speculative else 0)
         if max_step_tokens < rows * width:
             raise ValueError(f"max_step_tokens ({max_step_tokens}) must carry a token of each of the {rows} rows"
                              + (f" and its {width - 1} drafts" if width > 1 else ""))
         self.pool, self.max_len, self.speculative = pool, max_len, speculative
+        self.step_sizes = sorted(step_sizes or [max_step_tokens])
         self.max_step_tokens, self.prefill_chunk = max_step_tokens, prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, oldest first
@@ -140,12 +142,15 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """The next step: admissions, then each decoding sequence's token, then prefill chunks (module docstring)."""
         self.admit()
-        budget, scheduled = self.max_step_tokens, []
+        scheduled = []
         for sequence in [s for s in self.running if not s.prefilling]:
             drafts = tuple(self.drafts(sequence))
             scheduled.append(self.part(sequence, (sequence.output[-1], *drafts), new=False, drafts=len(drafts)))
-            budget -= 1 + len(drafts)
-        for sequence in [s for s in self.running if s.prefilling]:
+        prefilling = [s for s in self.running if s.prefilling]
+        used = sum(len(part.tokens) for part in scheduled)
+        demand = used + sum(min(len(s.prompt) - s.computed, self.prefill_chunk) for s in prefilling)
+        budget = self.step_size(used, demand) - used
+        for sequence in prefilling:
             if budget <= 0:
                 break
             count = min(len(sequence.prompt) - sequence.computed, self.prefill_chunk, budget)
@@ -153,6 +158,17 @@ class Scheduler:
             scheduled.append(self.part(sequence, chunk, new=sequence.row_new))
             budget -= count
         return StepPlan(tuple(scheduled))
+
+    def step_size(self, used: int, demand: int) -> int:
+        """The tokens of a step whose decodes take `used` and that could carry `demand`: the largest step size (the
+        runner's token buckets) within the demand that holds the decodes and a prompt token, so that prompt chunks
+        fill the step's program without padding; else the smallest that holds the demand; at most max_step_tokens."""
+        if demand == used:
+            return used
+        within = [size for size in self.step_sizes if used < size <= demand]
+        if within:
+            return within[-1]
+        return min(next((size for size in self.step_sizes if size >= demand), demand), self.max_step_tokens)
 
     def drafts(self, sequence: Sequence) -> list[int]:
         """A decoding sequence's n-gram drafts: none without speculation or with a grammar, and none past its
