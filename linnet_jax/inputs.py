@@ -50,14 +50,6 @@ def buckets(limit: int) -> list[int]:
     return sizes + [limit] * (sizes[-1] < limit)
 
 
-def powers_up_to(most: int) -> list[int]:
-    """Powers of two below `most`, and `most`: row counts a program is compiled for."""
-    sizes = [1]
-    while sizes[-1] * 2 < most:
-        sizes.append(sizes[-1] * 2)
-    return sizes + [most] * (sizes[-1] < most)
-
-
 def fitting(sizes: list[int], count: int) -> int:
     """The smallest of the ascending bucket `sizes` that holds `count`."""
     return next(size for size in sizes if size >= count)

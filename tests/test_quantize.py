@@ -334,7 +334,7 @@ def test_lowered_for_accelerators_reads_the_int8_weights(tiny_dir):
         programs = linnet_jax.lowered(model, platform, max_len=64)
         assert "train_step" in programs and "decode" in programs
         for name, text in programs.items():
-            if name in ("choose_first", "free", "scrub", "put_lora"):  # no weights
+            if name in ("choose_first", "free", "scrub_pages", "put_lora"):  # no weights
                 continue
             signature = text[text.index("func.func public @main("):text.index("->", text.index("@main("))]
             assert "xi8>" in signature and "linnet_" not in text, (platform, name)

@@ -46,7 +46,7 @@ def test_a_call_travels_whole():
     """What the leader sends is what the followers run: every kind of host input, arrays bit for bit."""
     request = make_requests(make_sampling(1, 0.7, 5, 0.9, 0.1, 1.1, 42), np.array([[3, -1]], np.int32), 9)
     inputs = ([1, 2], [[5, 6], [7]], [request, request], [True, False], 16, 0.5, None, "s", b"\x00\xff",
-              {"slots": 16, "prefix_cache": [64, 10]}, np.arange(6, dtype=np.uint32).reshape(2, 3))
+              {"slots": 16, "prefix_cache": [64, 10]}, np.arange(6, dtype=np.uint32).reshape(2, 3), np.asarray(True))
     program, got = decode_call(encode("extend", inputs))
     assert program == "extend" and got[:2] + got[3:10] == [*inputs[:2], *inputs[3:10]]
     for sent in got[2]:
@@ -54,6 +54,7 @@ def test_a_call_travels_whole():
         assert jax.tree.structure(sent) == jax.tree.structure(request)
     np.testing.assert_array_equal(got[10], inputs[10])
     assert got[10].dtype == np.uint32
+    assert got[11].shape == () and got[11]  # a 0-d array stays 0-d (the step's `top`)
 
 
 def start_job(group: Group, model_dir, http: int, follower_flags: tuple[str, ...] = ()) -> None:

@@ -398,7 +398,7 @@ class Engine:
                     work.handle.cancelled = True
             self._wake.notify_all()
         end = time.monotonic() + (deadline or 0)
-        while self.scheduler.running and not self._hurried and time.monotonic() < end:
+        while self.scheduler.running and self.failure is None and not self._hurried and time.monotonic() < end:
             time.sleep(0.02)
         with self._wake:
             works = list(self.works.values())
@@ -450,7 +450,11 @@ class Engine:
                 if self._stopped and not self.scheduler.busy and not self.queue:
                     return
                 tasks, self._tasks = list(self._tasks), deque()
-                arrived, self.queue = list(self.queue), deque()
+                arrived = [work for work in self.queue if not work.handle.cancelled]
+                cancelled = [work for work in self.queue if work.handle.cancelled]
+                self.queue = deque()
+            for work in cancelled:  # cancelled before the scheduler saw it
+                self._finish(work, "cancelled")
             for task in tasks:
                 task()
             for work in arrived:
@@ -514,8 +518,9 @@ class Engine:
         self._finish(work, reason)
 
     def _zero_pages(self, sequence: Sequence) -> None:
-        """Zero the pages of a failed request that no other request holds (they may hold NaN), uncached."""
-        own = [page for page in sequence.pages if self.pool.holders[page] == 0]
+        """Zero the pages a failed request computed and no other request holds (they may hold NaN), uncached; the
+        cached pages it started from stay."""
+        own = [page for page in sequence.pages[sequence.shared:] if self.pool.holders[page] == 0]
         self.pool.forget(own)
         pages = np.full(self.runner.columns, self.pool.pages, np.int32)
         pages[:len(own)] = own

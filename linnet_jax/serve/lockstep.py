@@ -57,7 +57,7 @@ def encode(program: str, inputs: tuple) -> bytes:
         if isinstance(value, Request):
             return {"request": [walk(np.asarray(leaf)) for leaf in jax.tree.leaves(value)]}
         if isinstance(value, (np.ndarray, np.generic)):
-            arrays.append(np.ascontiguousarray(value))
+            arrays.append(np.ascontiguousarray(value).reshape(np.shape(value)))  # a 0-d array stays 0-d
             return {"array": len(arrays) - 1}
         if isinstance(value, bytes):
             return {"bytes": value.hex()}

@@ -58,13 +58,18 @@ class PagePool:
             keys.append(chain)
         return keys
 
-    def lookup(self, prompt: list[int], key: bytes) -> list[int]:
-        """The prompt's leading pages that are cached (at most (len(prompt) - 1) // page_size), now held for it."""
+    def peek(self, prompt: list[int], key: bytes) -> list[int]:
+        """The prompt's leading pages that are cached (at most (len(prompt) - 1) // page_size), nothing held."""
         hits = []
         for page_key in self.page_keys(prompt[:len(prompt) - 1], key):
             if page_key not in self.page_of:
                 break
             hits.append(self.page_of[page_key])
+        return hits
+
+    def lookup(self, prompt: list[int], key: bytes) -> list[int]:
+        """The prompt's leading pages that are cached (`peek`), now held for it; counted in `counters`."""
+        hits = self.peek(prompt, key)
         self.hold(hits)
         self.counters["lookup_tokens"] += len(prompt)
         self.counters["hit_tokens"] += len(hits) * self.page_size
@@ -93,8 +98,8 @@ class PagePool:
         return page
 
     def publish(self, prompt: list[int], key: bytes, table: list[int]) -> None:
-        """The prompt's full pages (its table's leading ones, its keys and values written) cached under their keys;
-        a key cached already keeps its page (two prompts computed the same page at once)."""
+        """The full pages of `prompt` (its tokens so far whose keys and values are written: its table's leading pages)
+        cached under their keys; a key cached already keeps its page (two prompts computed the same page at once)."""
         for page_key, page in zip(self.page_keys(prompt, key), table):
             if page_key not in self.page_of and page not in self.key_of:
                 self.page_of[page_key], self.key_of[page] = page, page_key

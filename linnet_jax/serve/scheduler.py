@@ -17,9 +17,9 @@ it shares with cached prompts): it then never runs out, so nothing is preempted,
 time as its tokens arrive, so a cached page stays cached until a page is really needed. A request that does not
 fit waits; one that could never fit (more pages than the pool holds) is refused when added. A prompt whose
 prefill completes publishes its full pages (`PagePool.publish`) for later prompts; a finished request releases
-its pages. A prompt that finds no cached page but starts with the page another admitted prompt is computing waits
-(the requests behind it go on) until that page is published, then shares it: a burst of prompts with one system
-prompt computes it once.
+its pages. A prompt whose next page (after those cached) is one another admitted prompt is computing waits (the
+requests behind it go on) until that page is published, then shares it: a burst of prompts with one system prompt
+computes it once.
 """
 
 import dataclasses
@@ -47,6 +47,7 @@ class Sequence:
     row: int | None = None  # its row of the runner's per-request state while admitted
     row_new: bool = False  # admitted, its row not yet given its request
     pages: list[int] = dataclasses.field(default_factory=list)
+    shared: int = 0  # its leading pages that were cached when it was admitted (computed by other requests)
     computed: int = 0  # positions whose keys and values are in its pages
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)  # each output token's, when the runner gives them
@@ -161,11 +162,12 @@ class Scheduler:
 
     def step_size(self, used: int, demand: int) -> int:
         """The tokens of a step whose decodes take `used` and that could carry `demand`: the largest step size (the
-        runner's token buckets) within the demand that holds the decodes and a prompt token, so that prompt chunks
+        runner's token buckets) within the demand that leaves the prompt chunks at least half of theirs, so that they
         fill the step's program without padding; else the smallest that holds the demand; at most max_step_tokens."""
         if demand == used:
             return used
-        within = [size for size in self.step_sizes if used < size <= demand]
+        within = [size for size in self.step_sizes
+                  if 2 * (size - used) >= demand - used and size <= min(demand, self.max_step_tokens)]
         if within:
             return within[-1]
         return min(next((size for size in self.step_sizes if size >= demand), demand), self.max_step_tokens)
@@ -180,34 +182,35 @@ class Scheduler:
 
     def admit(self) -> None:
         """Admit waiting requests, oldest first, while a row is free and the pool can promise their pages; a prompt
-        whose leading page another admitted prompt is computing waits for it (module docstring)."""
+        whose next shareable page another admitted prompt is computing waits for it (module docstring)."""
         deferred = []
         while self.waiting and self.free_rows:
             sequence = self.waiting.popleft()
-            if self.computing_lead(sequence):
+            hits = self.pool.peek(sequence.prompt, sequence.key) if sequence.shares else []
+            if self.computing_next(sequence, len(hits)):
                 deferred.append(sequence)
                 continue
-            shared = self.pool.lookup(sequence.prompt, sequence.key) if sequence.shares else []
-            needed = self.pool.pages_for(sequence.positions_needed(self.max_len)) - len(shared)
-            if needed > self.pool.available - self.promised:
-                self.pool.release(shared)
+            needed = self.pool.pages_for(sequence.positions_needed(self.max_len)) - len(hits)
+            unheld = sum(self.pool.holders[page] == 0 for page in hits)  # cached pages it would take off the shelf
+            if needed > self.pool.available - unheld - self.promised:
                 self.waiting.appendleft(sequence)
                 break
-            sequence.pages, sequence.computed = shared, len(shared) * self.pool.page_size
+            shared = self.pool.lookup(sequence.prompt, sequence.key) if sequence.shares else []
+            sequence.pages, sequence.shared = shared, len(shared)
+            sequence.computed = len(shared) * self.pool.page_size
             sequence.row, sequence.row_new = self.free_rows.pop(0), True
             self.promised += needed
             self.running.append(sequence)
         self.waiting.extendleft(reversed(deferred))
 
-    def computing_lead(self, sequence: Sequence) -> bool:
-        """Whether the sequence's first page is not cached and an admitted prompt that has not published its pages
-        yet starts with it."""
-        size = self.pool.page_size
-        if not sequence.shares or len(sequence.prompt) <= size or self.pool.page_keys(
-                sequence.prompt[:size], sequence.key)[0] in self.pool.page_of:
+    def computing_next(self, sequence: Sequence, cached: int) -> bool:
+        """Whether an admitted prompt is computing the page that the sequence, whose first `cached` pages are
+        cached, would share next (it is published with the chunk that completes it)."""
+        end = (cached + 1) * self.pool.page_size
+        if not sequence.shares or len(sequence.prompt) <= end:
             return False
-        return any(other.prefilling and other.shares and other.key == sequence.key
-                   and other.prompt[:size] == sequence.prompt[:size] for other in self.running)
+        return any(other.computed < end and other.shares and other.key == sequence.key
+                   and other.prompt[:end] == sequence.prompt[:end] for other in self.running)
 
     def part(self, sequence: Sequence, tokens: tuple[int, ...], new: bool, drafts: int = 0) -> Scheduled:
         """The sequence's part of the step, with the pages its new positions need taken from its promise."""
@@ -227,8 +230,8 @@ class Scheduler:
         for i, (part, tokens, state) in enumerate(zip(plan.scheduled, result.tokens, result.states)):
             sequence = part.sequence
             sequence.computed += len(part.tokens) if part.prompt else len(tokens)
-            if part.prompt and not sequence.prefilling:
-                self.pool.publish(sequence.prompt, sequence.key, sequence.pages)
+            if part.prompt:  # the full pages computed so far, for later prompts (and for those waiting on its lead)
+                self.pool.publish(sequence.prompt[:sequence.computed], sequence.key, sequence.pages)
             if not part.choosing:
                 continue
             kept = len(tokens) - (state == STOP_ID)
@@ -251,7 +254,7 @@ class Scheduler:
         """Release a finished sequence's pages, the rest of its promise and its row."""
         unused = self.pool.pages_for(sequence.positions_needed(self.max_len)) - len(sequence.pages)
         self.promised -= max(unused, 0)
-        self.pool.release(sequence.pages)
+        self.pool.release(sequence.pages[::-1])  # its last pages evicted first: a prompt's first pages serve longest
         self.running.remove(sequence)
         self.free_rows.append(sequence.row)
         return sequence
