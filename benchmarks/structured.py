@@ -5,8 +5,8 @@
 SmolLM2 float32 (the embedded default model) in an `Engine` of --slots slots, warmed up; each run submits
 --requests chat requests at once, greedy, and waits for all of them: free ones (eos ignored, --new tokens each),
 then the same prompts under a bounded nested JSON schema (`structured={"json": SCHEMA}`, at most --new tokens; each
-stops when its object is complete). A constrained slot decodes one step per dispatch (the host computes its next
-mask with llguidance), a free batch steps_per_dispatch steps. tok/s = tokens generated / wall time of the run (its
+stops when its object is complete). Every engine step is one token of each decoding request (the host computes a
+constrained request's next mask with llguidance between steps). tok/s = tokens generated / wall time of the run (its
 prefill included, the same for both); the best of --runs. Also: dispatches per token, and the host's mask time
 per constrained token, and how many constrained outputs are complete JSON. Prints a markdown table.
 """
@@ -46,7 +46,7 @@ def run(engine: Engine, requests: list[dict], mask_time: list[float]) -> dict:
     results = [handle.result(timeout=3600) for handle in [engine.submit(**request) for request in requests]]
     wall = time.perf_counter() - start
     tokens = sum(len(result.tokens) for result in results)
-    dispatches = sum(step.kind != "prefill" for step in list(engine.step_log)[logged:])
+    dispatches = sum(step.decoding > 0 for step in list(engine.step_log)[logged:])
     return {"tokens": tokens, "wall": wall, "dispatches": dispatches, "mask_s": mask_time[0], "results": results}
 
 

@@ -34,7 +34,7 @@ from linnet_jax.serve.runner import new_state, packed_step, scrub_pages
 from linnet_jax.train.step import init_state, make_train_step
 
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
-DECODE_STEPS = 8  # steps per decode call: `serve.Engine`'s default steps_per_dispatch
+DECODE_STEPS = 8  # steps per decode call (`generate` runs 4 when streaming, 32 watching stop strings, or to the end)
 PREFILL_CHUNK = 256  # the widest chunk: `serve.Engine`'s default prefill_chunk
 DRAFTS = 4  # drafts per row a verify call checks: vLLM's usual num_speculative_tokens
 STEP_TOKENS = 2 * PREFILL_CHUNK  # the most tokens of a serving step: `serve.Engine`'s default max_step_tokens
