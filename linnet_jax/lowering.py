@@ -4,7 +4,7 @@ The programs are the ones `generate`, `serve.Engine` and a train step compile: `
 first chunk of C tokens, attending to its own C keys) and `extend_{C}_continued` (a later chunk, reading the
 row's max_len slots, or on a CPU the fewest spans that hold its keys: `ops.attention.key_spans`) for each width C
 of the engine's prefill dispatches (`inputs.prefill_widths` of its prefill_chunk), `choose_first` (the first
-token of the prompts a chunk ends), `decode`, `verify` (n-gram drafts), `free` (what `generate` runs), the
+token of the prompts a chunk ends), `decode`, `verify` (n-gram drafts), `free` (a slot emptied), the
 serving engine's token-packed step over a paged cache at 16 and at STEP_TOKENS tokens (`step_16`, `step_512`:
 `serve.runner.packed_step`, with DRAFTS drafts a sequence), `scrub_pages` (a failed request's pages zeroed), and
 `train_step` (AdamW, full fine-tuning); and, for an engine serving LoRA adapters, each
@@ -102,8 +102,7 @@ def step_traced(model: Model, params, plan, rows: int, max_len: int, tokens: int
     params: the plan's (shapes)."""
     state = jax.eval_shape(lambda: new_state(model, rows, pages_for(rows, max_len), DEFAULT_PAGE_SIZE))
     ints, flags = jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.bool_)
-    layout = StepLayout(kv_lens=ints, page_indices=jax.ShapeDtypeStruct((rows, -(-max_len // DEFAULT_PAGE_SIZE)),
-                                                                         jnp.int32),
+    layout = StepLayout(kv_lens=ints, page_indices=jax.ShapeDtypeStruct((rows, pages_for(1, max_len)), jnp.int32),
                         cu_q_lens=jax.ShapeDtypeStruct((rows + 1,), jnp.int32),
                         num_seqs=jax.ShapeDtypeStruct((1,), jnp.int32))
     requests = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), state.request)

@@ -16,6 +16,7 @@ import linnet_jax
 from linnet_jax import generate, train
 from linnet_jax.inputs import RequestError
 from linnet_jax.serve import Engine
+from linnet_jax.serve.engine import page_bytes
 from linnet_jax.speculative import Ngram, propose
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -78,9 +79,7 @@ def assert_same(got, expected) -> None:
 
 def pool_gb(model, pages: int, page_size: int) -> float:
     """kv_cache_gb for a pool of `pages` pages."""
-    config = model.config
-    page_bytes = 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * 4
-    return (pages + 0.5) * page_bytes / 2**30
+    return (pages + 0.5) * page_bytes(model, page_size) / 2**30
 
 
 @pytest.mark.parametrize("feature", FEATURES)

@@ -51,7 +51,7 @@ from linnet_jax.inputs import RequestError, check_max_new_tokens, eos_ids, make_
 from linnet_jax.loaded import Model
 from linnet_jax.serve.handle import Handle, Piece
 from linnet_jax.serve.lockstep import Lockstep
-from linnet_jax.serve.pages import PagePool
+from linnet_jax.serve.pages import PagePool, check_positive
 from linnet_jax.serve.runner import Chosen, PagedRunner
 from linnet_jax.serve.scheduler import Scheduler, Sequence, StepPlan
 from linnet_jax.speculative import Ngram, check_fits, speculative_config
@@ -111,25 +111,24 @@ def step_tokens(slots: int, prefill_chunk: int, speculative: Ngram | None, max_s
     return max(2 * prefill_chunk, slots * (1 + (speculative.num_speculative_tokens if speculative else 0)))
 
 
-def check_positive(name: str, value) -> None:
-    """A ValueError naming `name` unless value is a positive int."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def page_bytes(model: Model, page_size: int) -> int:
+    """The bytes of one page of the pool: keys and values of page_size positions in every layer."""
+    config = model.config
+    return 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * model.params.dtype.itemsize
 
 
 def kv_pages(model: Model, slots: int, max_len: int, page_size: int, kv_cache_gb: float | None) -> int:
     """The pool's pages: kv_cache_gb GiB of them, or (None) enough for slots × max_len positions within
     DEFAULT_KV_CACHE_GB; a ValueError when they cannot hold one request of max_len positions."""
-    config = model.config
-    page_bytes = 2 * config.num_layers * page_size * config.num_kv_heads * config.head_dim * model.params.dtype.itemsize
-    most = int((DEFAULT_KV_CACHE_GB if kv_cache_gb is None else kv_cache_gb) * 2**30 // page_bytes)
+    size = page_bytes(model, page_size)
+    most = int((DEFAULT_KV_CACHE_GB if kv_cache_gb is None else kv_cache_gb) * 2**30 // size)
     one = -(-max_len // page_size)
     if kv_cache_gb is None:
         return max(one, min(most, slots * one))
     if most < one:
         raise ValueError(f"kv_cache_gb={kv_cache_gb} holds {most} pages of {page_size} positions "
-                         f"({page_bytes / 2**20:.2f} MiB each), fewer than one request of max_len={max_len} needs "
-                         f"({one}); expected at least {one * page_bytes / 2**30:.3f}")
+                         f"({size / 2**20:.2f} MiB each), fewer than one request of max_len={max_len} needs "
+                         f"({one}); expected at least {one * size / 2**30:.3f}")
     return most
 
 

@@ -18,16 +18,22 @@ A lookup leaves the prompt's last token to compute (its logits choose the first 
 """
 
 import hashlib
+import numbers
 from collections import OrderedDict, deque
+
+
+def check_positive(name: str, value) -> None:
+    """A ValueError naming `name` unless value is a positive int (numpy's too; not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 class PagePool:
     """The pool's pages: free, held (counted) and cached (see the module docstring)."""
 
     def __init__(self, pages: int, page_size: int):
-        for name, value in (("pages", pages), ("page_size", page_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive("pages", pages)
+        check_positive("page_size", page_size)
         self.page_size = page_size
         self.free: deque[int] = deque(range(pages))  # never used, or evicted
         self.holders = [0] * pages  # page -> the requests holding it

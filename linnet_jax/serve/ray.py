@@ -38,6 +38,7 @@ from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from linnet_jax.serve.app import RETRY_AFTER_S
 from linnet_jax.serve.errors import MAX_REQUEST_BYTES, check_api_key
+from linnet_jax.serve.pages import check_positive
 
 ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 REPLICA_HEADER = b"x-linnet-replica"
@@ -128,9 +129,8 @@ def app(model=None, *, replicas: int | str = 2, slots: int = 16, max_len: int | 
         raise ValueError("autoscaling_config needs replicas='auto'")
     if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or cpus <= 0:
         raise ValueError(f"cpus must be a number > 0, got {cpus!r}")
-    for name, value in (("slots", slots), ("max_queue", max_queue)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_positive("slots", slots)
+    check_positive("max_queue", max_queue)
     autoscaling = None if replicas != "auto" else {"target_ongoing_requests": max(1, slots // 2),
                                                    **(autoscaling_config or {})}
     deployment = Replica.options(
